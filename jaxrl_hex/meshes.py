@@ -1,0 +1,180 @@
+"""Mesh files -> pools: a device subset, a jax Mesh, and the logical-axis rules table.
+
+A pool places any pytree whose leaves carry logical axis names: each name maps through the
+rules table to mesh axes, and names whose mesh axes the pool lacks stay replicated. So the
+train layout (fsdp, tensor) and the rollout layout (data, tensor) share one table, and a new
+layout is a new table in the mesh file, never new code.
+"""
+import dataclasses
+import os
+import typing
+
+import yaml
+
+from jaxrl_hex.errors import UserError
+
+# Logical axis -> mesh axes, in priority order. Axes missing from a pool's mesh are dropped.
+DEFAULT_RULES = {
+    "batch": ("data", "fsdp"),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+    "length": (),
+}
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class MeshError(UserError):
+  """A mesh file or pool that cannot work; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+  name: str
+  device_ids: tuple
+  axes: dict  # mesh axis name -> size, in mesh order
+  rules: dict
+  device_type: str | None = None
+
+  @property
+  def batch_ways(self) -> int:
+    """How many ways the leading batch dim is split; batches must be a multiple of it."""
+    n = 1
+    for a in self.rules["batch"]:
+      n *= self.axes.get(a, 1)
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshFile:
+  path: str
+  platform: str
+  num_devices: int | None
+  pools: dict  # role -> PoolSpec
+
+
+def load_mesh_file(path: str) -> MeshFile:
+  if not os.path.exists(path):
+    raise MeshError(f"mesh_file: {path!r} does not exist; pass --config.mesh_file=meshes/cpu-8.yaml or another file in meshes/")
+  with open(path) as f:
+    raw = yaml.safe_load(f) or {}
+  pools_raw = raw.get("pools")
+  if not isinstance(pools_raw, dict) or not pools_raw:
+    raise MeshError(f"{path}: needs a 'pools:' mapping with 'train' and 'rollout' entries")
+  pools, next_id = {}, 0
+  for name, p in pools_raw.items():
+    devices = p.get("devices")
+    if isinstance(devices, int):
+      ids = tuple(range(next_id, next_id + devices))
+    elif isinstance(devices, list) and all(isinstance(d, int) for d in devices):
+      ids = tuple(devices)
+    else:
+      raise MeshError(f"{path}: pools.{name}.devices must be a device count or a list of device ids")
+    next_id = max(ids, default=next_id - 1) + 1
+    axes = dict(p.get("mesh") or {})
+    bad = [a for a in axes if a not in MESH_AXES]
+    if bad:
+      raise MeshError(f"{path}: pools.{name}.mesh has unknown axes {bad}; use names from {MESH_AXES}")
+    size = 1
+    for v in axes.values():
+      size *= int(v)
+    if size != len(ids):
+      raise MeshError(f"{path}: pools.{name}.mesh {axes} has {size} devices but the pool lists {len(ids)}; make the axis sizes multiply to the device count")
+    rules = dict(DEFAULT_RULES)
+    for k, v in (p.get("rules") or {}).items():
+      rules[k] = tuple([v] if isinstance(v, str) else (v or ()))
+    pools[name] = PoolSpec(name, ids, axes, rules, p.get("device_type"))
+  all_ids = [i for p in pools.values() for i in p.device_ids]
+  num_devices = raw.get("num_devices")
+  if num_devices is not None and max(all_ids) >= num_devices:
+    raise MeshError(f"{path}: the pools use device ids up to {max(all_ids)} but num_devices is {num_devices}; "
+                    f"raise num_devices to {max(all_ids) + 1} or shrink the pools")
+  if len(set(all_ids)) != len(all_ids):
+    raise MeshError(f"{path}: pools share devices {sorted({i for i in all_ids if all_ids.count(i) > 1})}; give each pool its own devices")
+  return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools)
+
+
+def prepare_cpu_devices(n: int):
+  """Ask for n simulated CPU devices; must run before JAX initialises its backends."""
+  import jax
+  try:
+    jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices or 1))
+  except RuntimeError:  # JAX already started (a notebook): keep what it has
+    if len(jax.devices("cpu")) < n:
+      raise MeshError(f"the mesh file wants {n} simulated CPU devices but JAX already started with "
+                      f"{len(jax.devices('cpu'))}; restart Python and call jaxrl_hex.meshes.prepare_cpu_devices({n}) "
+                      "before any JAX operation") from None
+
+
+class Pool:
+  """One role's devices and mesh; places pytrees of logical axes as NamedShardings."""
+
+  def __init__(self, spec: PoolSpec, devices=None):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    available = devices if devices is not None else jax.devices()
+    if max(spec.device_ids) >= len(available):
+      raise MeshError(
+          f"pools.{spec.name} needs device ids up to {max(spec.device_ids)} but only {len(available)} "
+          f"{available[0].platform} devices exist; shrink the pool's mesh or run on more devices")
+    self.spec = spec
+    self.name = spec.name
+    self.devices = [available[i] for i in spec.device_ids]
+    shape = tuple(spec.axes.values()) or (1,)
+    names = tuple(spec.axes) or ("data",)
+    self.mesh = Mesh(np.array(self.devices).reshape(shape), names)
+
+  @property
+  def axis_sizes(self) -> dict:
+    return dict(self.mesh.shape)
+
+  def partition_spec(self, logical_axes, shape=None, what="array"):
+    """Logical axis names -> PartitionSpec over this mesh; checks that each dim divides."""
+    from jax.sharding import PartitionSpec
+    parts, used = [], set()
+    for i, name in enumerate(logical_axes):
+      mesh_axes = tuple(a for a in self.spec.rules.get(name, ()) if a in self.mesh.shape and a not in used)
+      if shape is not None and mesh_axes:
+        n = 1
+        for a in mesh_axes:
+          n *= self.mesh.shape[a]
+        if shape[i] % n:
+          raise MeshError(
+              f"pools.{self.name}: {what} dim {i} ('{name}', size {shape[i]}) does not divide over mesh "
+              f"axes {mesh_axes} (size {n}); change the mesh or the rule for '{name}' in the mesh file")
+      used.update(mesh_axes)
+      parts.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return PartitionSpec(*parts)
+
+  def sharding(self, logical_axes, shape=None, what="array"):
+    from jax.sharding import NamedSharding
+    return NamedSharding(self.mesh, self.partition_spec(logical_axes, shape, what))
+
+  def shardings_for(self, axes_tree, shapes_tree):
+    """Pytrees of logical axes and ShapeDtypeStructs -> pytree of NamedShardings."""
+    import jax
+    paths = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shapes_tree)}
+    return jax.tree_util.tree_map_with_path(
+        lambda p, ax: self.sharding(ax, paths[jax.tree_util.keystr(p)].shape, jax.tree_util.keystr(p)),
+        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+  def replicated(self):
+    from jax.sharding import NamedSharding, PartitionSpec
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  @property
+  def batch_divisor(self) -> int:
+    return self.spec.batch_ways
+
+  def describe(self) -> dict:
+    return {"role": self.name, "devices": [d.id for d in self.devices],
+            "platform": self.devices[0].platform, "mesh": self.axis_sizes}
+
+
+def build_pools(mesh_file: MeshFile, devices=None) -> dict:
+  return {name: Pool(spec, devices) for name, spec in mesh_file.pools.items()}

@@ -1,0 +1,50 @@
+"""Supervised warm start: teacher forcing on a task's answers until held-out accuracy reaches
+a target, so that RL starts from a policy that sometimes succeeds."""
+import time
+
+import jax
+
+from jaxrl_hex.data.prompts import PromptStream
+from jaxrl_hex.evaluation import evaluate
+from jaxrl_hex.metrics import Progress
+from jaxrl_hex.rl.batch import sft_batch
+from jaxrl_hex.rl.objectives import sft_loss
+from jaxrl_hex.rl.trainer import Trainer, make_optimizer
+from jaxrl_hex.rollout.engine import Engine
+from jaxrl_hex.tasks.scoring import RewardScorer
+
+
+def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
+  """Returns (params, summary). Logs rows tagged with `phase` to the recorder."""
+  s = rt.cfg.sft
+  pool = rt.pools["train"]
+  trainer = Trainer(rt.policy, pool, make_optimizer(s, s.max_steps), sft_loss, params)
+  stream = PromptStream(rt.task.train, s.batch_size, seed=rt.cfg.seed)
+  engine = Engine(rt.policy, pool, rt.tokenizer, rt.cfg.rollout.max_new_tokens)
+  scorer = RewardScorer(rt.task, rt.cfg.rollout.reward_timeout_s)
+  eval_records = list(rt.task.eval[:s.eval_size])
+  progress = Progress(phase, s.max_steps, rt.cfg.train.log_every)
+  accuracy = evaluate(engine, scorer, eval_records, 0, trainer.params, len(eval_records))
+  start_accuracy, t0 = accuracy, time.time()
+  recorder.log({"phase": phase, "step": 0, "eval_accuracy": accuracy, "wall_s": time.time() - recorder.t0})
+  step = 0
+  while step < s.max_steps and not (0 < s.target_accuracy <= accuracy):
+    records, _ = stream.next()
+    m = trainer.step(sft_batch(rt.tokenizer, records))
+    step += 1
+    row = {"phase": phase, "step": step, "loss": m["loss"], "token_accuracy": m["token_accuracy"],
+           "train_tokens_per_s": m["train_tokens_per_s"], "wall_s": time.time() - recorder.t0}
+    if step % s.eval_every == 0 or step == s.max_steps:
+      accuracy = row["eval_accuracy"] = evaluate(engine, scorer, eval_records, step, trainer.params,
+                                                 len(eval_records))
+    recorder.log(row)
+    progress.update(step, row)
+  if checkpointer is not None:
+    checkpointer.save(step, {"params": trainer.params, "opt_state": trainer.opt_state},
+                      {"phase": phase, "step": step, "eval_accuracy": accuracy})
+    checkpointer.wait()
+  summary = {"steps": step, "eval_accuracy_start": start_accuracy, "eval_accuracy_end": accuracy,
+             "seconds": time.time() - t0}
+  progress.close(f"{phase}: {step} steps, eval accuracy {start_accuracy:.3f} -> {accuracy:.3f} "
+                 f"in {summary['seconds']:.0f}s")
+  return jax.block_until_ready(trainer.params), summary

@@ -1,0 +1,28 @@
+"""8 simulated CPU devices for every test: two 4-device pools with different layouts."""
+import os
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+os.environ.setdefault("JAXRL_HEX_QUIET", "1")
+
+import pytest  # noqa: E402
+
+from jaxrl_hex import meshes  # noqa: E402
+
+from support import ROOT, SMALL, load_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pools():
+  return meshes.build_pools(meshes.load_mesh_file(os.path.join(ROOT, "meshes", "cpu-8.yaml")))
+
+
+@pytest.fixture(scope="session")
+def warm_workdir(tmp_path_factory):
+  """An SFT run that the RL tests start from (init_from), so they skip the warm start."""
+  from jaxrl_hex import commands
+  workdir = str(tmp_path_factory.mktemp("warm"))
+  cfg = load_config(**SMALL, **{"sft.max_steps": 240, "sft.target_accuracy": 0.2})
+  commands.sft(cfg, workdir)
+  return workdir

@@ -1,0 +1,50 @@
+import threading
+import time
+
+import pytest
+
+from jaxrl_hex.rl.buffer import Buffer, Closed, Item
+
+
+def _item(k, version):
+  return Item(k, rollout=None, data_state={}, version=version)
+
+
+def test_gate_admits_at_most_eta_batches_ahead():
+  buf = Buffer(max_staleness=2, trainer_version=0)
+  assert buf.admit(0, timeout=0) and buf.admit(2, timeout=0)
+  assert not buf.admit(3, timeout=0.01)
+  buf.advance(1)
+  assert buf.admit(3, timeout=0)
+
+
+def test_eta_zero_admits_only_the_current_batch_and_blocks_until_the_step():
+  buf = Buffer(max_staleness=0, trainer_version=0)
+  assert buf.admit(0, timeout=0)
+  admitted = []
+  t = threading.Thread(target=lambda: admitted.append(buf.admit(1, timeout=5)))
+  t.start()
+  time.sleep(0.05)
+  assert not admitted  # batch 1 waits for the trainer to finish step 0
+  buf.advance(1)
+  t.join()
+  assert admitted == [True]
+
+
+def test_take_drops_batches_staler_than_eta():
+  buf = Buffer(max_staleness=1, trainer_version=3)
+  buf.put(_item(0, version=1))   # staleness 2 > 1: dropped
+  buf.put(_item(1, version=2))
+  item, staleness = buf.take(timeout=1)
+  assert (item.batch_index, staleness, buf.dropped) == (1, 1, 1)
+
+
+def test_close_with_error_reaches_the_trainer():
+  buf = Buffer(max_staleness=1)
+  buf.close(RuntimeError("rollout died"))
+  with pytest.raises(RuntimeError, match="rollout died"):
+    buf.take(timeout=1)
+  clean = Buffer(max_staleness=1)
+  clean.close()
+  with pytest.raises(Closed):
+    clean.admit(0)

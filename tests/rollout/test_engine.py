@@ -1,0 +1,69 @@
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.models import Policy
+from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.tokenizer import CharTokenizer
+from jaxrl_hex.rl.batch import rl_batch
+from jaxrl_hex.rl.trainer import token_logprobs
+from jaxrl_hex.rollout.engine import Engine
+
+CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
+                   tie_embeddings=True)
+TOK = CharTokenizer("0123456789+=")
+PROMPTS = ["1+2=", "47+38=", "5=", "99+99+9="]  # different lengths: left padding is exercised
+
+
+@pytest.fixture(scope="module")
+def setup(pools):
+  policy = Policy.build(CFG)
+  train_params = policy.init(0, pools["train"].shardings_for(policy.logical_axes(), policy.shapes()))
+  engine = Engine(policy, pools["rollout"], TOK, max_new_tokens=8, temperature=1.3)
+  engine.load_weights(7, jax.device_put(train_params, engine.param_shardings))
+  return policy, train_params, engine
+
+
+def test_engine_logprobs_equal_trainer_logprobs(setup, pools):
+  policy, train_params, engine = setup
+  rollout = engine.generate(PROMPTS, 4, jax.random.key(0))
+  rollout.rewards = np.zeros(len(rollout.group_ids), np.float32)
+  batch = rl_batch(rollout)
+  logp, _ = jax.jit(lambda p, b: token_logprobs(policy, p, b, temperature=1.3))(train_params, batch)
+  mask = rollout.completion_mask
+  assert mask.sum() > 20
+  diff = np.abs(np.asarray(logp)[mask] - rollout.behaviour_logprobs[mask]).max()
+  assert diff <= 1e-4
+
+
+def test_outputs_stop_at_eos_and_carry_the_version(setup):
+  _, _, engine = setup
+  rollout = engine.generate(PROMPTS, 4, jax.random.key(1))
+  mask, comp = rollout.completion_mask, rollout.completion
+  assert rollout.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+  for row_mask, row in zip(mask, comp):
+    n = int(row_mask.sum())
+    assert row_mask[:n].all() and not row_mask[n:].any()        # a prefix
+    eos = np.flatnonzero(row[:n] == TOK.eos_id)
+    assert (n == 8 and eos.size == 0) or eos.tolist() == [n - 1]  # stops right after EOS
+    assert (row[n:] == 0).all()
+  assert set(np.unique(rollout.versions[mask])) == {7}
+  assert (rollout.versions[~mask] == -1).all()
+
+
+def test_same_rng_same_samples_and_greedy_is_deterministic(setup):
+  _, _, engine = setup
+  a = engine.generate(PROMPTS, 2, jax.random.key(5))
+  b = engine.generate(PROMPTS, 2, jax.random.key(5))
+  np.testing.assert_array_equal(a.completion, b.completion)
+  g1 = engine.generate(PROMPTS, 2, jax.random.key(1), greedy=True)
+  g2 = engine.generate(PROMPTS, 2, jax.random.key(2), greedy=True)
+  np.testing.assert_array_equal(g1.completion, g2.completion)
+  np.testing.assert_array_equal(g1.completion[0::2], g1.completion[1::2])  # a group is identical
+
+
+def test_batch_that_does_not_divide_the_data_axis_is_refused(setup):
+  _, _, engine = setup
+  with pytest.raises(UserError, match=r"batch of 3 sequences does not divide .* \(2 ways\)"):
+    engine.generate(PROMPTS[:3], 1, jax.random.key(0))

@@ -1,0 +1,35 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_hex.rollout.sampling import sample
+
+LOGITS = jnp.array([[2.0, 1.0, 0.5, -1.0, 0.0]] * 2000)
+
+
+def test_greedy_and_its_logprob():
+  token, lp = sample(LOGITS[:1], jax.random.key(0), temperature=0.0)
+  assert int(token[0]) == 0
+  np.testing.assert_allclose(lp[0], jax.nn.log_softmax(LOGITS[0])[0], rtol=1e-6)
+
+
+def test_top_k_only_picks_the_k_best_and_reports_untruncated_logprob():
+  tokens, lps = sample(LOGITS, jax.random.key(1), temperature=2.0, top_k=2)
+  assert set(np.unique(tokens)) == {0, 1}
+  full = jax.nn.log_softmax(LOGITS[0] / 2.0)
+  np.testing.assert_allclose(lps, full[tokens], rtol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+  probs = jax.nn.softmax(LOGITS[0])  # ~[0.53, 0.20, 0.12, 0.03, 0.07]
+  assert probs[0] < 0.6 < probs[0] + probs[1]
+  tokens, _ = sample(LOGITS, jax.random.key(2), temperature=1.0, top_p=0.6)
+  assert set(np.unique(tokens)) == {0, 1}
+  share = float(np.mean(np.asarray(tokens) == 0))
+  np.testing.assert_allclose(share, probs[0] / (probs[0] + probs[1]), atol=0.04)
+
+
+def test_temperature_sampling_matches_the_distribution():
+  tokens, _ = sample(LOGITS, jax.random.key(3), temperature=1.0)
+  freq = np.bincount(np.asarray(tokens), minlength=5) / len(tokens)
+  np.testing.assert_allclose(freq, jax.nn.softmax(LOGITS[0]), atol=0.035)

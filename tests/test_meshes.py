@@ -1,0 +1,50 @@
+import pytest
+
+from jaxrl_hex import meshes
+from jaxrl_hex.meshes import MeshError
+
+
+def _write(tmp_path, text):
+  path = tmp_path / "m.yaml"
+  path.write_text(text)
+  return str(path)
+
+
+def test_cpu8_pools_have_different_layouts(pools):
+  assert pools["train"].axis_sizes == {"fsdp": 2, "tensor": 2}
+  assert pools["rollout"].axis_sizes == {"data": 2, "tensor": 2}
+  assert {d.id for d in pools["train"].devices}.isdisjoint({d.id for d in pools["rollout"].devices})
+  assert pools["train"].batch_divisor == 2 and pools["rollout"].batch_divisor == 2
+
+
+def test_rules_table_maps_logical_axes_and_drops_missing_mesh_axes(pools):
+  assert tuple(pools["train"].partition_spec(("vocab", "embed"))) == ("tensor", "fsdp")
+  assert tuple(pools["rollout"].partition_spec(("vocab", "embed"))) == ("tensor", None)
+  assert tuple(pools["rollout"].partition_spec(("batch", "length"))) == ("data", None)
+
+
+def test_a_new_layout_is_a_new_table(tmp_path):
+  path = _write(tmp_path, "num_devices: 8\npools:\n  train:\n    devices: 4\n    mesh: {fsdp: 4}\n"
+                          "    rules: {vocab: fsdp, embed: null}\n  rollout: {devices: 4, mesh: {data: 4}}\n")
+  pool = meshes.build_pools(meshes.load_mesh_file(path))["train"]
+  assert tuple(pool.partition_spec(("vocab", "embed"))) == ("fsdp", None)
+
+
+def test_bad_mesh_files_name_the_field(tmp_path):
+  with pytest.raises(MeshError, match=r"pools.train.mesh \{'fsdp': 3\} has 3 devices but the pool lists 4"):
+    meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: 4, mesh: {fsdp: 3}}\n"))
+  with pytest.raises(MeshError, match="unknown axes"):
+    meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: 2, mesh: {model: 2}}\n"))
+  with pytest.raises(MeshError, match="share devices"):
+    meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: [0, 1], mesh: {fsdp: 2}}\n"
+                                           "  rollout: {devices: [1, 2], mesh: {data: 2}}\n"))
+  with pytest.raises(MeshError, match="does not exist"):
+    meshes.load_mesh_file(str(tmp_path / "missing.yaml"))
+
+
+def test_pool_beyond_the_devices_and_dims_that_do_not_divide(tmp_path, pools):
+  spec = meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: [6, 7, 8, 9], mesh: {fsdp: 4}}\n"))
+  with pytest.raises(MeshError, match="only 8 cpu devices exist"):
+    meshes.build_pools(spec)
+  with pytest.raises(MeshError, match=r"dim 0 \('heads', size 3\) does not divide over mesh axes \('tensor',\)"):
+    pools["train"].partition_spec(("heads", "embed"), shape=(3, 64))
