@@ -80,18 +80,27 @@ def _flag_message(e, argv) -> str:
   return str(e).strip().splitlines()[0]
 
 
+# Commands with their own argument parsing: name -> "module:function(argv) -> exit code".
+COMMANDS = {
+    "plan": "jaxrl_hex.planner.command:plan_main",
+    "simulate": "jaxrl_hex.planner.command:simulate_main",
+}
+CONFIG_COMMANDS = ("train", "sft")
+
+
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(USAGE)
     return 0
   name, rest = argv[0], argv[1:]
-  if name in ("train", "sft"):
+  if name in CONFIG_COMMANDS:
     return _config_command(name, rest)
-  if name in ("plan", "simulate"):
-    from jaxrl_hex.planner import command
-    return getattr(command, f"{name}_main")(rest)
-  return _fail(f"unknown command {name!r}; commands: train, sft, plan, simulate")
+  if name in COMMANDS:
+    import importlib
+    module, fn = COMMANDS[name].split(":")
+    return getattr(importlib.import_module(module), fn)(rest)
+  return _fail(f"unknown command {name!r}; commands: {', '.join([*CONFIG_COMMANDS, *COMMANDS])}")
 
 
 if __name__ == "__main__":
