@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 from jaxrl_hex.errors import UserError
 
 
-STATE_ITEMS = ("params", "opt_state", "ref_params")
+STATE_ITEMS = ("params", "opt_state", "ref_params", "critic")  # critic: {params, opt_state} (PPO)
 
 
 class CheckpointError(UserError):

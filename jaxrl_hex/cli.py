@@ -11,6 +11,10 @@ commands:
   sft       supervised training on a task's answers
   plan      heterogeneity-aware split of a cluster into train and rollout pools
   simulate  discrete-event simulation of a plan's async loop
+  generate  sample from a run's checkpoint for a JSONL file of prompts (continuous batching)
+  report    figures and a markdown summary of runs: jaxrl-hex report WORKDIR [WORKDIR...]
+  launch    run a command on every worker of a TPU pod slice, or as a job on a Ray cluster
+  convert   Hugging Face model dir <-> Orbax run: --from-hf=DIR --out=RUN | --to-hf=RUN --out=DIR
 
   jaxrl-hex train --config=configs/arith_grpo.py --config.train.steps=200 --workdir=runs/demo
   jaxrl-hex train --workdir=runs/demo --resume
@@ -25,20 +29,14 @@ def _fail(msg: str) -> int:
 
 def _config_command(name: str, argv: list[str]) -> int:
   from absl import flags, logging as absl_logging
-  from ml_collections import config_flags
 
   from jaxrl_hex.config import resolve_path
   from jaxrl_hex.errors import UserError
 
   argv = ["jaxrl-hex " + name] + [
       "--config=" + resolve_path(arg[len("--config="):]) if arg.startswith("--config=") else arg for arg in argv]
-  fv = flags.FlagValues()
   try:
-    # sys_argv: overrides are read from these args, not from the process's sys.argv
-    config_flags.DEFINE_config_file("config", resolve_path(DEFAULT_CONFIG), "config file (get_config())",
-                                    flag_values=fv, lock_config=True, sys_argv=argv)
-    flags.DEFINE_string("workdir", None, "run directory (default runs/<command>-<time>)", flag_values=fv)
-    flags.DEFINE_bool("resume", False, "continue the run in --workdir from its last checkpoint", flag_values=fv)
+    fv = config_flag_values(argv)
     fv(argv)
   except (flags.Error, KeyError, AttributeError, FileNotFoundError) as e:
     return _fail(_flag_message(e, argv))
@@ -48,7 +46,13 @@ def _config_command(name: str, argv: list[str]) -> int:
   workdir = fv.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
   absl_logging.set_verbosity(absl_logging.WARNING)
   try:
+    if fv.gin_file or fv.gin_bindings:  # gin binds onto the same ConfigDict, after the --config.* overrides
+      from jaxrl_hex.gin_config import apply_gin
+      apply_gin(cfg, fv.gin_file, fv.gin_bindings)
     from jaxrl_hex.runtime import load_mesh
+    if os.environ.get("JAXRL_HEX_MULTIHOST"):  # set by `launch tpu`: the slice's hosts form one runtime
+      import jax
+      jax.distributed.initialize()
     mesh_file = load_mesh(cfg)
     if mesh_file.platform == "cpu" and mesh_file.num_devices:
       from jaxrl_hex.meshes import prepare_cpu_devices
@@ -59,6 +63,25 @@ def _config_command(name: str, argv: list[str]) -> int:
     return _fail(str(e))
   print(f"workdir: {workdir}")
   return 0 if summary is not None else 1
+
+
+def config_flag_values(argv):
+  """The flags of train and sft (docs/gen_cli.py documents them from here)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  from jaxrl_hex.config import resolve_path
+  fv = flags.FlagValues()
+  # sys_argv: overrides are read from these args, not from the process's sys.argv
+  config_flags.DEFINE_config_file("config", resolve_path(DEFAULT_CONFIG), "config file (get_config())",
+                                  flag_values=fv, lock_config=True, sys_argv=argv)
+  flags.DEFINE_string("workdir", None, "run directory (default runs/<command>-<time>)", flag_values=fv)
+  flags.DEFINE_bool("resume", False, "continue the run in --workdir from its last checkpoint", flag_values=fv)
+  flags.DEFINE_multi_string("gin_file", [], "gin file binding config fields (SECTION.FIELD = VALUE); repeatable",
+                            flag_values=fv)
+  flags.DEFINE_multi_string("gin_bindings", [], "one gin binding, e.g. 'rollout.temperature = 0.7'; repeatable",
+                            flag_values=fv)
+  return fv
 
 
 def _flag_message(e, argv) -> str:
@@ -84,6 +107,10 @@ def _flag_message(e, argv) -> str:
 COMMANDS = {
     "plan": "jaxrl_hex.planner.command:plan_main",
     "simulate": "jaxrl_hex.planner.command:simulate_main",
+    "launch": "jaxrl_hex.cluster.launch:main",
+    "report": "jaxrl_hex.report:main",
+    "generate": "jaxrl_hex.rollout.generate:main",
+    "convert": "jaxrl_hex.convert:main",
 }
 CONFIG_COMMANDS = ("train", "sft")
 

@@ -39,6 +39,36 @@ class PoolSpec:
   axes: dict  # mesh axis name -> size, in mesh order
   rules: dict
   device_type: str | None = None
+  processes: int = 1        # JAX processes forming this pool's runtime (Ray backend)
+  hosts: int = 1            # machines those processes span
+  replicas: int = 1         # rollout: independent copies of this pool, each its own runtime
+  ray_options: dict = dataclasses.field(default_factory=dict)  # per worker actor, e.g. {num_gpus: 4}
+  affinity: tuple = ()      # CPU cores its processes are pinned to (Ray backend on one machine)
+
+  def partition_spec(self, logical_axes, shape=None, what="array"):
+    """Logical axis names -> PartitionSpec over this pool's mesh; checks that each dim divides."""
+    from jax.sharding import PartitionSpec
+    parts, used = [], set()
+    for i, name in enumerate(logical_axes):
+      mesh_axes = tuple(a for a in self.rules.get(name, ()) if a in self.axes and a not in used)
+      if shape is not None and mesh_axes:
+        n = 1
+        for a in mesh_axes:
+          n *= self.axes[a]
+        if shape[i] % n:
+          raise MeshError(
+              f"pools.{self.name}: {what} dim {i} ('{name}', size {shape[i]}) does not divide over mesh "
+              f"axes {mesh_axes} (size {n}); change the mesh or the rule for '{name}' in the mesh file")
+      used.update(mesh_axes)
+      parts.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return PartitionSpec(*parts)
+
+  def check_shardable(self, axes_tree, shapes_tree):
+    """Every parameter divides over this pool's mesh (no devices needed, so drivers check too)."""
+    import jax
+    paths = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shapes_tree)}
+    for p, ax in jax.tree_util.tree_leaves_with_path(axes_tree, is_leaf=lambda x: isinstance(x, tuple)):
+      self.partition_spec(ax, paths[jax.tree_util.keystr(p)].shape, jax.tree_util.keystr(p))
 
   @property
   def batch_ways(self) -> int:
@@ -87,14 +117,20 @@ def load_mesh_file(path: str) -> MeshFile:
     rules = dict(DEFAULT_RULES)
     for k, v in (p.get("rules") or {}).items():
       rules[k] = tuple([v] if isinstance(v, str) else (v or ()))
-    pools[name] = PoolSpec(name, ids, axes, rules, p.get("device_type"))
+    processes, replicas = int(p.get("processes", 1)), int(p.get("replicas", 1))
+    if len(ids) % processes:
+      raise MeshError(f"{path}: pools.{name} has {len(ids)} devices over {processes} processes; "
+                      "make the device count a multiple of processes")
+    pools[name] = PoolSpec(name, ids, axes, rules, p.get("device_type"), processes,
+                           int(p.get("hosts", 1)), replicas, dict(p.get("ray") or {}),
+                           tuple(p.get("affinity") or ()))
   all_ids = [i for p in pools.values() for i in p.device_ids]
   num_devices = raw.get("num_devices")
   if num_devices is not None and max(all_ids) >= num_devices:
     raise MeshError(f"{path}: the pools use device ids up to {max(all_ids)} but num_devices is {num_devices}; "
                     f"raise num_devices to {max(all_ids) + 1} or shrink the pools")
-  if len(set(all_ids)) != len(all_ids):
-    raise MeshError(f"{path}: pools share devices {sorted({i for i in all_ids if all_ids.count(i) > 1})}; give each pool its own devices")
+  if len(set(all_ids)) != len(all_ids) and not raw.get("share_devices", False):
+    raise MeshError(f"{path}: pools share devices {sorted({i for i in all_ids if all_ids.count(i) > 1})}; give each pool its own devices, or set share_devices: true (one accelerator: both pools on it, weights held twice)")
   return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools)
 
 
@@ -134,22 +170,7 @@ class Pool:
     return dict(self.mesh.shape)
 
   def partition_spec(self, logical_axes, shape=None, what="array"):
-    """Logical axis names -> PartitionSpec over this mesh; checks that each dim divides."""
-    from jax.sharding import PartitionSpec
-    parts, used = [], set()
-    for i, name in enumerate(logical_axes):
-      mesh_axes = tuple(a for a in self.spec.rules.get(name, ()) if a in self.mesh.shape and a not in used)
-      if shape is not None and mesh_axes:
-        n = 1
-        for a in mesh_axes:
-          n *= self.mesh.shape[a]
-        if shape[i] % n:
-          raise MeshError(
-              f"pools.{self.name}: {what} dim {i} ('{name}', size {shape[i]}) does not divide over mesh "
-              f"axes {mesh_axes} (size {n}); change the mesh or the rule for '{name}' in the mesh file")
-      used.update(mesh_axes)
-      parts.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
-    return PartitionSpec(*parts)
+    return self.spec.partition_spec(logical_axes, shape, what)
 
   def sharding(self, logical_axes, shape=None, what="array"):
     from jax.sharding import NamedSharding

@@ -1,26 +1,63 @@
-"""Run records: metrics.jsonl (one object per step), spans.jsonl (timed work per pool), and
-a progress display: a live rich panel on a terminal, plain log lines otherwise."""
+"""Run records and what a person watches while a run goes.
+
+Recorder writes metrics.jsonl (one object per step), spans.jsonl (timed work per pool) and, for
+every logged row, TensorBoard scalars under WORKDIR/tb (and W&B when log.wandb_project is set).
+Progress shows the headline figures: a live rich panel on a terminal, plain log lines otherwise.
+"""
+import collections
 import json
+import numbers
 import os
 import sys
 import threading
 import time
 
+from jaxrl_hex.errors import UserError
+
+TB_DIR = "tb"
+
+
+def _open_append(path, truncate):
+  if truncate:
+    open(path, "w").close()
+  return open(path, "a")
+
 
 class Recorder:
 
-  def __init__(self, workdir: str, append: bool = False):
+  def __init__(self, workdir: str, append: bool = False, config=None):
+    """`config` (the run config) switches the sinks: log.tensorboard, log.wandb_project."""
     os.makedirs(workdir, exist_ok=True)
-    mode = "a" if append else "w"
-    self._metrics = open(os.path.join(workdir, "metrics.jsonl"), mode)
-    self._spans = open(os.path.join(workdir, "spans.jsonl"), mode)
+    log = config.get("log", {}) if config is not None else {}
+    self._wandb = _start_wandb(workdir, config, append) if log.get("wandb_project") else None
+    self._tb = None
+    if log.get("tensorboard", True):
+      from tensorboardX import SummaryWriter
+      # flush often enough that `tensorboard --logdir WORKDIR/tb` follows a live run
+      self._tb = SummaryWriter(os.path.join(workdir, TB_DIR), flush_secs=10)
+    # appends even on a fresh run (truncated first): a Ray train worker appends its warm-start rows
+    self._metrics = _open_append(os.path.join(workdir, "metrics.jsonl"), truncate=not append)
+    self._spans = _open_append(os.path.join(workdir, "spans.jsonl"), truncate=not append)
     self._lock = threading.Lock()
     self.t0 = time.time()
 
   def log(self, row: dict):
+    """One step's figures; `phase` (sft, warmstart, train) prefixes the TensorBoard tags."""
     with self._lock:
       self._metrics.write(json.dumps(row) + "\n")
       self._metrics.flush()
+      scalars, hists = tb_values(row)
+      step = int(row.get("step", 0))
+      walltime = self.t0 + row["wall_s"] if "wall_s" in row else None
+      if self._tb is not None:
+        for tag, value in scalars.items():
+          self._tb.add_scalar(tag, value, step, walltime=walltime)
+        for tag, counts in hists.items():
+          self._tb.add_histogram_raw(tag, **_raw_histogram(counts), global_step=step, walltime=walltime)
+      if self._wandb is not None:
+        import wandb
+        self._wandb.log({**scalars, f"{row.get('phase', 'run')}/step": step,
+                         **{t: wandb.Histogram(np_histogram=_np_histogram(c)) for t, c in hists.items()}})
 
   def span(self, pool: str, kind: str, start: float, end: float, **extra):
     """Wall-clock interval (time.time()) during which `pool` did `kind` work."""
@@ -31,6 +68,53 @@ class Recorder:
   def close(self):
     self._metrics.close()
     self._spans.close()
+    if self._tb is not None:
+      self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+
+
+def tb_values(row: dict):
+  """A metrics row -> ({tag: number}, {tag: {value: count}}), tags "phase/key"; the rest is not a metric."""
+  phase = row.get("phase", "run")
+  scalars, hists = {}, {}
+  for key, value in row.items():
+    if key in ("phase", "step"):
+      continue
+    if isinstance(value, numbers.Real):
+      scalars[f"{phase}/{key}"] = float(value)
+    elif isinstance(value, dict) and value and all(isinstance(c, numbers.Real) for c in value.values()):
+      hists[f"{phase}/{key}"] = {float(k): int(c) for k, c in value.items()}
+  return scalars, hists
+
+
+def _raw_histogram(counts: dict) -> dict:
+  """{value: count} of small integers (staleness) -> one bucket per value, edges at value + 0.5."""
+  values = sorted(counts)
+  n = sum(counts.values())
+  return dict(min=values[0], max=values[-1], num=n, sum=sum(v * c for v, c in counts.items()),
+              sum_squares=sum(v * v * c for v, c in counts.items()),
+              bucket_limits=[v + 0.5 for v in values], bucket_counts=[counts[v] for v in values])
+
+
+def _np_histogram(counts: dict):
+  values = sorted(counts)
+  return [counts[v] for v in values], [v - 0.5 for v in values] + [values[-1] + 0.5]
+
+
+def _start_wandb(workdir, config, append):
+  try:
+    import wandb
+  except ImportError:
+    raise UserError("log.wandb_project is set but wandb is not installed; `pip install wandb`, "
+                    "or leave --config.log.wandb_project empty") from None
+  log = config.log
+  run = wandb.init(project=log.wandb_project, entity=log.get("wandb_entity") or None,
+                   name=log.get("wandb_run_name") or os.path.basename(os.path.abspath(workdir)),
+                   dir=workdir, config=config.to_dict(), resume="allow" if append else None)
+  for phase in ("sft", "warmstart", "train"):  # phases restart their step count: one x-axis each
+    run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
+  return run
 
 
 def read_jsonl(path):
@@ -38,58 +122,130 @@ def read_jsonl(path):
     return [json.loads(line) for line in f if line.strip()]
 
 
-HEADLINE = (("step", "{:.0f}"), ("reward_mean", "{:.3f}"), ("eval_accuracy", "{:.3f}"),
-            ("staleness_mean", "{:.2f}"), ("rollout_tokens_per_s", "{:.0f}"),
-            ("train_tokens_per_s", "{:.0f}"), ("sync_seconds", "{:.3f}"))
+# Headline figures in display order: (row key, label, format); absent keys are left out.
+HEADLINE = (
+    ("reward_mean", "reward", "{:.3f}"), ("eval_accuracy", "eval acc", "{:.3f}"),
+    ("loss", "loss", "{:.4f}"), ("token_accuracy", "token acc", "{:.3f}"),
+    ("staleness_mean", "staleness", "{:.2f}"),
+    ("rollout_tokens_per_s", "rollout tok/s", "{}"), ("train_tokens_per_s", "train tok/s", "{}"),
+    ("sync_seconds", "sync", "{}"))
+
+
+def _si(x: float) -> str:
+  return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  h, rest = divmod(seconds, 3600)
+  m, s = divmod(rest, 60)
+  return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _format(key, fmt, value) -> str:
+  if key.endswith("tokens_per_s"):
+    return _si(value)
+  if key == "sync_seconds":
+    return f"{value * 1e3:.1f}ms"
+  return fmt.format(value)
 
 
 class Progress:
-  """Headline figures while a phase runs. Quiet when JAXRL_HEX_QUIET is set (tests)."""
+  """Step, ETA and the headline figures while a phase runs. Quiet when JAXRL_HEX_QUIET is set (tests).
 
-  def __init__(self, title: str, total: int, every: int = 10):
-    self.title, self.total, self.every = title, total, max(every, 1)
+  On a terminal a rich panel redraws in place; otherwise (a log file, a notebook cell, CI) one
+  plain line every `every` steps and on each evaluation, with no control codes.
+  """
+
+  WINDOW = 50  # steps the ETA's rate is measured over: compile time fades out of it
+
+  def __init__(self, title: str, total: int, every: int = 10, stream=None, unit: str = "step"):
+    self.title, self.total, self.every, self.unit = title, total, max(every, 1), unit
+    self.stream = stream or sys.stdout
     self.quiet = bool(os.environ.get("JAXRL_HEX_QUIET"))
-    self.live = None
     self.last = {}
+    self.best_eval = None
     self.t0 = time.time()
-    if not self.quiet and sys.stdout.isatty():
+    self._times = collections.deque(maxlen=self.WINDOW + 1)  # (time, step)
+    self._printed = 0  # the step of the last plain line
+    self.live = None
+    if not self.quiet and self.stream.isatty():
+      from rich.console import Console
       from rich.live import Live
-      self.live = Live(self._render(), refresh_per_second=4, transient=False)
+      self.live = Live(self._render(), console=Console(file=self.stream), refresh_per_second=4)
       self.live.start()
 
   def update(self, step: int, row: dict):
     self.last.update({k: v for k, v in row.items() if v is not None})
+    self.last["step"] = step
+    self._times.append((time.time(), step))
+    if row.get("eval_accuracy") is not None:
+      self.best_eval = max(self.best_eval or 0.0, row["eval_accuracy"])
     if self.quiet:
       return
     if self.live is not None:
       self.live.update(self._render())
-    elif step % self.every == 0 or step == self.total or "eval_accuracy" in row:
-      print(self._line(), flush=True)
+    elif (step // self.every > self._printed // self.every or step == self.total
+          or row.get("eval_accuracy") is not None):  # steps may jump (generate counts samples)
+      self._printed = step
+      print(self.line(), file=self.stream, flush=True)
 
-  def _eta(self):
+  def rate(self):
+    """Steps per second over the last WINDOW steps; None before two steps are seen."""
+    if len(self._times) < 2:
+      return None
+    (t_a, s_a), (t_b, s_b) = self._times[0], self._times[-1]
+    return (s_b - s_a) / (t_b - t_a) if s_b > s_a and t_b > t_a else None
+
+  def eta(self) -> str:
+    rate = self.rate()
+    return "?" if rate is None else _duration((self.total - self.last.get("step", 0)) / rate)
+
+  def figures(self):
+    """(label, text) pairs for the headline keys present."""
+    out = []
+    for key, label, fmt in HEADLINE:
+      if key in self.last and isinstance(self.last[key], numbers.Real):
+        text = _format(key, fmt, self.last[key])
+        if key == "eval_accuracy" and self.best_eval is not None:
+          text += f" (best {self.best_eval:.3f})"
+        if key == "staleness_mean" and "staleness_max" in self.last:
+          text += f" (max {self.last['staleness_max']})"
+        out.append((label, text))
+    return out
+
+  def line(self) -> str:
     step = self.last.get("step", 0)
-    done = max(step - self.last.get("start_step", 0), 0)
-    if not done:
-      return "?"
-    remaining = (time.time() - self.t0) / done * (self.total - step)
-    return f"{remaining:.0f}s"
-
-  def _line(self):
-    parts = [f"{self.title} {self.last.get('step', 0)}/{self.total}", f"eta {self._eta()}"]
-    parts += [f"{k}={fmt.format(self.last[k])}" for k, fmt in HEADLINE[1:] if k in self.last]
-    return " ".join(parts)
+    rate = self.rate()
+    head = [f"{self.title} {step}/{self.total}", f"{100 * step / max(self.total, 1):.0f}%",
+            f"elapsed {_duration(time.time() - self.t0)}", f"eta {self.eta()}"]
+    if rate is not None:
+      head.append(f"{rate:.2f} {self.unit}/s")
+    return " | ".join([" ".join(head)] + [f"{label} {text}" for label, text in self.figures()])
 
   def _render(self):
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.progress_bar import ProgressBar
     from rich.table import Table
-    table = Table(title=f"{self.title}  step {self.last.get('step', 0)}/{self.total}  eta {self._eta()}")
-    for k, _ in HEADLINE[1:]:
-      table.add_column(k)
-    table.add_row(*[HEADLINE[i + 1][1].format(self.last[k]) if k in self.last else "-"
-                    for i, (k, _) in enumerate(HEADLINE[1:])])
-    return table
+    step = self.last.get("step", 0)
+    rate = self.rate()
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row(ProgressBar(total=max(self.total, 1), completed=step, width=40),
+                 f"{step}/{self.total}", f"elapsed {_duration(time.time() - self.t0)}", f"eta {self.eta()}",
+                 "" if rate is None else f"{rate:.2f} {self.unit}/s")
+    figures = Table.grid(padding=(0, 3))
+    pairs = self.figures()
+    for label, _ in pairs:
+      figures.add_column(justify="right")
+    if pairs:
+      figures.add_row(*[f"[dim]{label}[/dim]" for label, _ in pairs])
+      figures.add_row(*[text for _, text in pairs])
+    return Panel(Group(grid, figures), title=self.title, title_align="left")
 
   def close(self, summary: str = ""):
     if self.live is not None:
+      self.live.update(self._render())
       self.live.stop()
     if summary and not self.quiet:
-      print(summary, flush=True)
+      print(summary, file=self.stream, flush=True)

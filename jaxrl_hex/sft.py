@@ -17,7 +17,7 @@ from jaxrl_hex.tasks.scoring import RewardScorer
 def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
   """Returns (params, summary). Logs rows tagged with `phase` to the recorder."""
   s = rt.cfg.sft
-  pool = rt.pools["train"]
+  pool = rt.pool("train")
   trainer = Trainer(rt.policy, pool, make_optimizer(s, s.max_steps), sft_loss, params)
   stream = PromptStream(rt.task.train, s.batch_size, seed=rt.cfg.seed)
   engine = Engine(rt.policy, pool, rt.tokenizer, rt.cfg.rollout.max_new_tokens)

@@ -26,3 +26,12 @@ def warm_workdir(tmp_path_factory):
   cfg = load_config(**SMALL, **{"sft.max_steps": 240, "sft.target_accuracy": 0.2})
   commands.sft(cfg, workdir)
   return workdir
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+  """One local Ray for the whole session (starting one takes seconds)."""
+  import ray
+  if not ray.is_initialized():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+  yield ray

@@ -1,7 +1,10 @@
+import os
+
 import pytest
 
 from jaxrl_hex import meshes
 from jaxrl_hex.meshes import MeshError
+from support import ROOT
 
 
 def _write(tmp_path, text):
@@ -48,3 +51,22 @@ def test_pool_beyond_the_devices_and_dims_that_do_not_divide(tmp_path, pools):
     meshes.build_pools(spec)
   with pytest.raises(MeshError, match=r"dim 0 \('heads', size 3\) does not divide over mesh axes \('tensor',\)"):
     pools["train"].partition_spec(("heads", "embed"), shape=(3, 64))
+
+
+MESH_FILES = sorted(f for f in os.listdir(os.path.join(ROOT, "meshes")) if not f.startswith("cluster-"))
+
+
+@pytest.mark.parametrize("name", MESH_FILES)
+def test_every_shipped_mesh_file_loads(name):
+  spec = meshes.load_mesh_file(os.path.join(ROOT, "meshes", name))
+  assert {"train", "rollout"} <= set(spec.pools)
+  for pool in spec.pools.values():
+    size = 1
+    for v in pool.axes.values():
+      size *= v
+    assert size == len(pool.device_ids)
+
+
+def test_one_device_shared_by_both_pools(tmp_path):
+  pools = meshes.build_pools(meshes.load_mesh_file(os.path.join(ROOT, "meshes", "single.yaml")))
+  assert pools["train"].devices == pools["rollout"].devices

@@ -48,4 +48,4 @@ def test_run_with_orbax_weight_sync(tmp_path, warm_workdir, method):
   _, rows, _, workdir = _run(tmp_path, warm_workdir, **{"train.steps": 4, "sync.method": method})
   assert [r["policy_version"] for r in rows[1:]] == [1, 2, 3, 4]
   assert all(r["sync_seconds"] > 0 for r in rows[1:])
-  assert sorted(os.listdir(os.path.join(workdir, "sync"))) == ["v00000003", "v00000004"]
+  assert sorted(os.listdir(os.path.join(workdir, "sync"))) == ["v00000002", "v00000003", "v00000004"]

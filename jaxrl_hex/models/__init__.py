@@ -35,9 +35,13 @@ class Policy:
       return nnx.to_pure_dict(nnx.split(Decoder(self.cfg, nnx.Rngs(seed)))[1])
     return jax.jit(make, out_shardings=shardings)()
 
-  def apply(self, params, tokens, positions, mask, cache=None, cache_index=0):
-    model = nnx.merge(self.graphdef, self._with_values(params))
-    return model(tokens, positions, mask, cache, cache_index)
+  def apply(self, params, tokens, positions, mask, cache=None, cache_index=0, key_positions=None):
+    """-> (logits [B, T, vocab] fp32, cache). key_positions [B, S]: see models.decoder (sliding windows)."""
+    return self.module(params)(tokens, positions, mask, cache, cache_index, key_positions)
+
+  def module(self, params) -> Decoder:
+    """The nnx Decoder holding `params` (no copy)."""
+    return nnx.merge(self.graphdef, self._with_values(params))
 
   def _with_values(self, params):
     state = jax.tree.map(lambda v: v, self.abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -47,3 +51,6 @@ class Policy:
 
 def param_bytes(params) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+from jaxrl_hex.models.hf import CausalLM, from_hf, to_hf  # noqa: E402,F401  (needs Policy above)

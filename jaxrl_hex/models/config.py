@@ -1,4 +1,8 @@
-"""Model shape configs: one ConfigDict per decoder, read by the model, engine and planner."""
+"""Model shape configs: one ConfigDict per decoder, read by the model, engine and planner.
+
+The family fields (after `max_seq_len`) cover Llama 3, Qwen2/2.5, Qwen3 and Gemma 2/3; their
+defaults are the plain Llama-style decoder. models/families.py maps HF config.json onto them.
+"""
 import ml_collections
 
 DEFAULTS = dict(
@@ -16,7 +20,23 @@ DEFAULTS = dict(
     dtype="float32",        # activations / compute
     param_dtype="float32",  # stored weights
     max_seq_len=4096,
+    qk_norm=False,              # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    norm_style="rms",           # "rms": x * w (Llama, Qwen); "gemma": x * (1 + w), w stored as HF stores it
+    post_norms=False,           # Gemma 2/3: norms on the attention and MLP outputs before each residual add
+    mlp_activation="silu",      # gate activation: "silu" | "gelu_tanh" | "gelu"
+    embed_scale=1.0,            # embeddings times this, rounded to param_dtype (Gemma: sqrt(d_model))
+    query_pre_attn_scalar=0.0,  # attention scores times its ** -0.5; 0 = head_dim
+    attn_logit_softcap=0.0,     # cap * tanh(score / cap) on attention scores; 0 = off (Gemma 2)
+    final_logit_softcap=0.0,    # the same on the output logits; 0 = off (Gemma 2)
+    sliding_window=0,           # "sliding" layers see keys fewer than this many positions back; 0 = none
+    layer_types=(),             # per layer "full" | "sliding"; () = every layer sliding if sliding_window else full
+    rope_scaling=None,          # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF config.json
+    rope_local_theta=0.0,       # Gemma 3: RoPE base of sliding layers, which skip rope_scaling; 0 = as full layers
 )
+CHOICES = {"norm_style": ("rms", "gemma"), "mlp_activation": ("silu", "gelu_tanh", "gelu")}
+LAYER_TYPES = ("full", "sliding")
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
@@ -26,7 +46,25 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict(dict(DEFAULTS, **overrides))
   if cfg.n_heads % cfg.n_kv_heads:
     raise ValueError(f"model config: n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
+  for field, allowed in CHOICES.items():
+    if cfg[field] not in allowed:
+      raise ValueError(f"model config: {field}={cfg[field]!r}; use one of {allowed}")
+  cfg.layer_types = tuple(cfg.layer_types)
+  if cfg.layer_types and (len(cfg.layer_types) != cfg.n_layers or set(cfg.layer_types) - set(LAYER_TYPES)):
+    raise ValueError(f"model config: layer_types={cfg.layer_types} must name {LAYER_TYPES} once per layer "
+                     f"({cfg.n_layers} layers), or be () for all alike")
+  if cfg.rope_scaling is not None:
+    kind = cfg.rope_scaling.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+      raise ValueError(f"model config: rope_scaling.rope_type={kind!r}; supported: {sorted(ROPE_SCALING_KEYS)}")
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in cfg.rope_scaling]
+    if missing:
+      raise ValueError(f"model config: rope_scaling ({kind}) lacks {missing}")
   return cfg
+
+
+def is_sliding(cfg, layer: int) -> bool:
+  return bool(cfg.sliding_window) and (not cfg.layer_types or cfg.layer_types[layer] == "sliding")
 
 
 def param_count(cfg) -> int:
@@ -35,7 +73,10 @@ def param_count(cfg) -> int:
   attn = d * h * hd + 2 * d * kv * hd + h * hd * d
   if cfg.qkv_bias:
     attn += (h + 2 * kv) * hd
-  layer = attn + 3 * d * f + 2 * d  # q/k/v/o, gate/up/down, two RMSNorm scales
+  if cfg.qk_norm:
+    attn += 2 * hd
+  norms = (4 if cfg.post_norms else 2) * d  # RMSNorm scales around attention and MLP
+  layer = attn + 3 * d * f + norms  # q/k/v/o, gate/up/down, norms
   embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
   return cfg.n_layers * layer + embed + d  # final norm
 

@@ -1,41 +1,82 @@
-"""A Llama/Qwen-family decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""One decoder in Flax NNX for the Llama, Qwen and Gemma families: RMSNorm, RoPE (with Llama 3 /
+linear scaling), grouped-query attention (optional QKV bias, QK-norm, soft-capping, sliding
+windows), gated MLP. models/config.py names the switches; the defaults are Llama.
 
 Every parameter carries `axes`, a tuple of logical axis names; meshes.Pool maps them onto a
 mesh through a rules table, so the model never names a mesh axis.
 
 One call serves training, prefill and decode: `mask[b, t, s]` says which keys query t may see,
-and with a KV cache the new keys are written at `cache_index` before attending.
+and with a KV cache the new keys are written at `cache_index` before attending. Sliding-window
+layers also need each key's position: without a cache the keys are the queries; with one, pass
+`key_positions` [B, S], or the cache is taken to hold each row's tokens in consecutive slots of a
+line or a ring (the engines' layouts), where slot distance modulo the cache length is position
+distance.
+
+Numerics follow transformers' eager implementations (fp32 norms, RoPE tables and softmax), so a
+converted checkpoint gives the same logits.
 """
 import math
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+import numpy as np
 from flax import nnx
 
+from jaxrl_hex.models.config import is_sliding
+
 Cache = list  # per layer: (k, v), each [batch, cache_len, kv_heads, head_dim]
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
 def _param(rngs, shape, axes, dtype, scale):
   return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, axes=axes)
 
 
+def softcap(x, cap):
+  return x if not cap else jnp.tanh(x / cap) * cap
+
+
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim, eps, dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
+  def __init__(self, dim, eps, dtype, style="rms", axes=("norm",)):
+    self.gemma = style == "gemma"  # Gemma stores w for x * (1 + w), so a fresh norm holds zeros
+    self.scale = nnx.Param((jnp.zeros if self.gemma else jnp.ones)((dim,), dtype), axes=axes)
     self.eps = eps
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    if self.gemma:  # weight applied in fp32, then cast (Gemma); Llama casts first, then weights
+      return (x32 * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+    return x32.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-def rope(x, positions, theta):
+def rope_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+  """Inverse frequencies [head_dim // 2] in fp32, as transformers computes them for rope_type
+  default, linear and llama3."""
+  inv = (1.0 / (theta ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim))).astype(np.float32)
+  if scaling is None:
+    return inv
+  factor = np.float32(scaling["factor"])
+  if scaling["rope_type"] == "linear":
+    return inv / factor
+  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]  # llama3
+  old_len = scaling["original_max_position_embeddings"]
+  wavelen = np.float32(2 * math.pi) / inv
+  scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+  smooth = ((old_len / wavelen - low) / (high - low)).astype(np.float32)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(x, positions, inv_freq):
   """Rotate-half RoPE (the Hugging Face convention). x [B, T, H, D], positions [B, T]."""
   half = x.shape[-1] // 2
-  freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-  angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, half]
+  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, half]
   cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -43,7 +84,7 @@ def rope(x, positions, theta):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg, rngs):
+  def __init__(self, cfg, rngs, sliding=False):
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
     self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pdt, d ** -0.5)
@@ -54,8 +95,14 @@ class Attention(nnx.Module):
       self.bq = nnx.Param(jnp.zeros((h, hd), pdt), axes=("heads", "head_dim"))
       self.bk = nnx.Param(jnp.zeros((kv, hd), pdt), axes=("kv_heads", "head_dim"))
       self.bv = nnx.Param(jnp.zeros((kv, hd), pdt), axes=("kv_heads", "head_dim"))
-    self.qkv_bias = cfg.qkv_bias
-    self.theta = cfg.rope_theta
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, cfg.norm_eps, pdt, cfg.norm_style, axes=("head_dim",))
+      self.k_norm = RMSNorm(hd, cfg.norm_eps, pdt, cfg.norm_style, axes=("head_dim",))
+    self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+    local = sliding and cfg.rope_local_theta > 0  # Gemma 3: sliding layers keep their own, unscaled RoPE
+    self.rope_args = (hd, cfg.rope_local_theta, None) if local else (hd, cfg.rope_theta, cfg.rope_scaling)
+    self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
+    self.logit_cap = cfg.attn_logit_softcap
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x, positions, mask, cache, cache_index):
@@ -65,7 +112,10 @@ class Attention(nnx.Module):
     v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
     if self.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
-    q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+    if self.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_frequencies(*self.rope_args)
+    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
     if cache is not None:
       k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), cache_index, axis=1)
       v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), cache_index, axis=1)
@@ -73,7 +123,8 @@ class Attention(nnx.Module):
     b, t, h, hd = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(dt)).astype(jnp.float32) / math.sqrt(hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(dt)).astype(jnp.float32) * self.scale
+    scores = softcap(scores, self.logit_cap)
     scores = jnp.where(mask[:, None, None], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dt)).reshape(b, t, h, hd)
@@ -87,53 +138,76 @@ class MLP(nnx.Module):
     self.gate = _param(rngs, (d, f), ("embed", "mlp"), pdt, d ** -0.5)
     self.up = _param(rngs, (d, f), ("embed", "mlp"), pdt, d ** -0.5)
     self.down = _param(rngs, (f, d), ("mlp", "embed"), pdt, f ** -0.5)
+    self.activation = cfg.mlp_activation
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x):
     dt = self.dtype
-    h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
+    h = ACTIVATIONS[self.activation](x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
     return h @ self.down[...].astype(dt)
 
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg, rngs):
-    pdt = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
-    self.attn = Attention(cfg, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+  def __init__(self, cfg, rngs, sliding=False):
+    norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, jnp.dtype(cfg.param_dtype), cfg.norm_style)
+    self.attn_norm = norm()
+    self.attn = Attention(cfg, rngs, sliding)
+    self.mlp_norm = norm()
     self.mlp = MLP(cfg, rngs)
+    if cfg.post_norms:
+      self.post_attn_norm, self.post_mlp_norm = norm(), norm()
+    self.post_norms, self.sliding = cfg.post_norms, sliding
 
   def __call__(self, x, positions, mask, cache, cache_index):
     a, cache = self.attn(self.attn_norm(x), positions, mask, cache, cache_index)
-    x = x + a
-    return x + self.mlp(self.mlp_norm(x)), cache
+    x = x + (self.post_attn_norm(a) if self.post_norms else a)
+    m = self.mlp(self.mlp_norm(x))
+    return x + (self.post_mlp_norm(m) if self.post_norms else m), cache
 
 
 class Decoder(nnx.Module):
 
   def __init__(self, cfg, rngs: nnx.Rngs):
+    cfg = ml_collections.FrozenConfigDict(cfg)  # hashable, so the module's graphdef can key a jit cache
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt, cfg.d_model ** -0.5)
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.layers = nnx.List([Block(cfg, rngs, is_sliding(cfg, i)) for i in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, cfg.norm_style)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt,
                             cfg.d_model ** -0.5)
 
-  def __call__(self, tokens, positions, mask, cache: Cache | None = None, cache_index=0):
+  def __call__(self, tokens, positions, mask, cache: Cache | None = None, cache_index=0, key_positions=None):
     """tokens, positions [B, T]; mask [B, T, S] -> logits [B, T, vocab] (fp32), new cache."""
-    dt = jnp.dtype(self.cfg.dtype)
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
     x = self.embed[...].astype(dt)[tokens]
+    if cfg.embed_scale != 1.0:  # transformers rounds the scale to the weights' dtype
+      x = x * jnp.asarray(np.float32(cfg.embed_scale).astype(cfg.param_dtype), dt)
+    local_mask = window_mask(mask, positions, cfg.sliding_window, cache is not None, cache_index,
+                             key_positions) if cfg.sliding_window else None
     new_cache = []
     for i, layer in enumerate(self.layers):
-      x, c = layer(x, positions, mask, None if cache is None else cache[i], cache_index)
+      x, c = layer(x, positions, local_mask if layer.sliding else mask,
+                   None if cache is None else cache[i], cache_index)
       new_cache.append(c)
     x = self.final_norm(x)
-    head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-    logits = (x @ head.astype(dt)).astype(jnp.float32)
+    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+    logits = softcap((x @ head.astype(dt)).astype(jnp.float32), cfg.final_logit_softcap)
     return logits, (new_cache if cache is not None else None)
+
+
+def window_mask(mask, positions, window, cached, cache_index, key_positions=None):
+  """mask [B, T, S] narrowed to keys fewer than `window` positions before each query."""
+  if key_positions is not None or not cached:
+    keys = positions if key_positions is None else key_positions  # no cache: the keys are the queries
+    distance = positions[:, :, None] - keys[:, None, :]
+  else:  # each row's tokens sit in consecutive slots of a line or ring: slot distance mod S = position distance
+    t, s = mask.shape[1], mask.shape[2]
+    distance = ((cache_index + jnp.arange(t))[:, None] - jnp.arange(s)[None, :]) % s
+  return mask & (distance < window)
 
 
 def causal_mask(valid):

@@ -3,6 +3,8 @@
 tokens [N, P + C] = left-padded prompt ++ completion; valid marks real tokens; the loss covers
 the last C positions (loss_mask [N, C]).
 """
+import dataclasses
+
 import numpy as np
 
 from jaxrl_hex.rollout.engine import Rollout, bucket
@@ -18,7 +20,29 @@ def rl_batch(rollout: Rollout) -> dict:
       "behav_logp": rollout.behaviour_logprobs,
       "rewards": rollout.rewards.astype(np.float32),
       "group_ids": rollout.group_ids.astype(np.int32),
+      "versions": rollout.versions.astype(np.int32),
   }
+
+
+def select_rows(rollout: Rollout, rows) -> Rollout:
+  """The rollout restricted to `rows` (indices), every per-row field alike."""
+  return dataclasses.replace(rollout, **{
+      f.name: getattr(rollout, f.name)[rows] for f in dataclasses.fields(rollout)
+      if getattr(rollout, f.name) is not None})
+
+
+def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
+  """Rows of several rollouts in one; prompts are left-padded again to the widest."""
+  width = max(r.prompt_tokens.shape[1] for r in rollouts)
+  fields = {}
+  for f in dataclasses.fields(Rollout):
+    parts = [getattr(r, f.name) for r in rollouts]
+    if any(p is None for p in parts):
+      continue
+    if f.name in ("prompt_tokens", "prompt_valid"):  # padding is invalid, its value never read
+      parts = [np.pad(p, ((0, 0), (width - p.shape[1], 0))) for p in parts]
+    fields[f.name] = np.concatenate(parts)
+  return Rollout(**fields)
 
 
 def sft_batch(tokenizer, records: list[dict]) -> dict:

@@ -2,7 +2,9 @@
 
 Rollout asks admit(k) before generating batch k; the gate holds it while k > version + eta
 (AReaL's floor((generated - 1) / B) <= version + eta, with B = one trainer batch). take() hands
-the trainer the oldest batch and drops any whose oldest token is more than eta versions old.
+the trainer batches in batch order — replicas may finish out of order, but the data position
+saved with a checkpoint must be that of a prefix — and drops any batch whose oldest token is
+more than eta versions old.
 """
 import dataclasses
 import threading
@@ -15,7 +17,7 @@ class Item:
   rollout: typing.Any       # rollout.engine.Rollout, scored
   data_state: dict          # prompt-stream state after this batch's prompts
   version: int              # oldest policy version among its tokens
-  spans: list = dataclasses.field(default_factory=list)
+  stats: dict = dataclasses.field(default_factory=dict)
 
 
 class Closed(Exception):
@@ -24,9 +26,10 @@ class Closed(Exception):
 
 class Buffer:
 
-  def __init__(self, max_staleness: int, trainer_version: int = 0):
+  def __init__(self, max_staleness: int, trainer_version: int = 0, next_batch: int = 0):
     self.max_staleness = max_staleness
-    self._items: list[Item] = []
+    self._items: dict[int, Item] = {}
+    self._next = next_batch
     self._version = trainer_version
     self._cond = threading.Condition()
     self._error: BaseException | None = None
@@ -44,22 +47,22 @@ class Buffer:
   def put(self, item: Item):
     with self._cond:
       self._raise_if_closed()
-      self._items.append(item)
+      self._items[item.batch_index] = item
       self._cond.notify_all()
 
   def take(self, timeout=None) -> tuple[Item, int]:
-    """-> (item, staleness) for the current trainer version."""
+    """-> (the next batch in order, its staleness) for the current trainer version."""
     with self._cond:
       while True:
-        if not self._cond.wait_for(lambda: self._closed or self._items, timeout):
-          raise TimeoutError(f"buffer: no rollout arrived within {timeout}s")
+        if not self._cond.wait_for(lambda: self._closed or self._next in self._items, timeout):
+          raise TimeoutError(f"buffer: batch {self._next} did not arrive within {timeout}s")
         self._raise_if_closed()
-        item = self._items.pop(0)
+        item = self._items.pop(self._next)
+        self._next += 1
         staleness = self._version - item.version
         if staleness <= self.max_staleness:
           return item, staleness
         self.dropped += 1
-        self._cond.notify_all()
 
   def advance(self, trainer_version: int):
     with self._cond:

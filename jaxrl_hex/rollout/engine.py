@@ -1,19 +1,35 @@
-"""First rollout engine: static batches, jitted prefill + KV-cached decode on the rollout mesh.
+"""The rollout engine: continuous batching over a fixed number of decode slots on the rollout mesh.
 
-Layout shared with the trainer (rl.batch): prompts are left-padded to a bucket length P, so
-every row's last prompt token sits at P-1 and the completion occupies cache slots P..P+C-1.
-Positions count only real tokens, so padding never shifts RoPE.
+Requests wait in a FIFO queue; a request for n samples takes n free slots at once and its
+prompt is prefilled once for all of them (shared group prefill). One jitted loop decodes all
+slots for up to `steps_per_sync` steps and hands back to the host as soon as a slot finishes
+while requests are waiting, so a freed slot is refilled at the next step instead of idling
+until the slowest sequence of a batch is done. Prefill shapes are bucketed (prompt count and
+length to powers of two), so a run compiles a handful of programs (`compile_count`).
+
+Weights can change mid-generation (`load_weights` from any thread, or a `weights_source`
+polled at every hand-back): with interrupt="recompute" the switch happens at the next decode
+step boundary, the KV of every in-flight sequence is recomputed with the new weights and
+decoding goes on; with interrupt="finish" no slot is refilled until the in-flight sequences
+finish on the old weights. Every token records the version whose logits it was sampled from.
+
+`generate` (prompts x group_size -> Rollout, the trainer's layout) runs on submit/poll.
 """
+import collections
 import dataclasses
 import functools
+import threading
+import time
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.models import init_cache
-from jaxrl_hex.rollout.sampling import sample
+from jaxrl_hex.rollout import slots as S
+
+INTERRUPT_MODES = ("recompute", "finish")
 
 
 @dataclasses.dataclass
@@ -27,32 +43,277 @@ class Rollout:
   versions: np.ndarray            # [N, C] int32, policy version that produced each token
   group_ids: np.ndarray           # [N] int64, one id per prompt
   rewards: np.ndarray | None = None  # [N] fp32
+  truncated: np.ndarray | None = None  # [N] bool, stopped by the token budget
 
   @property
   def num_tokens(self) -> int:
     return int(self.completion_mask.sum())
 
 
+@dataclasses.dataclass
+class Request:
+  """A prompt (text, or token ids taken as they are) to sample n completions of."""
+  prompt: typing.Any
+  n: int = 1
+  max_tokens: int | None = None  # None: the engine's max_new_tokens
+  stop: tuple = ()               # stop strings on top of the engine's
+  id: typing.Any = None
+
+
+@dataclasses.dataclass
+class Sample:
+  """One finished completion."""
+  request_id: typing.Any
+  index: int                     # which of the request's n samples
+  prompt_tokens: list
+  tokens: np.ndarray             # [L] int32, through the EOS or the token that completed a stop string
+  logprobs: np.ndarray           # [L] fp32 behaviour logprobs
+  versions: np.ndarray           # [L] int32
+  finish_reason: str             # "eos" | "stop" | "length"
+  text: str = ""
+
+  @property
+  def truncated(self) -> bool:
+    return self.finish_reason == "length"
+
+
+@dataclasses.dataclass
+class _Seq:  # a slot's sequence in flight
+  request: Request
+  index: int
+  prompt_tokens: list
+  max_tokens: int
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)
+  checked: int = 0                       # tokens already searched for stop strings
+
+
 def bucket(n: int, multiple: int = 8) -> int:
   return -(-n // multiple) * multiple
+
+
+def pow2_bucket(n: int, least: int = 1) -> int:
+  return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def engine_options(rollout_cfg) -> dict:
+  """The Engine keyword arguments held in config.rollout."""
+  r = rollout_cfg
+  return dict(min_p=r.min_p, slots=r.slots or r.prompts_per_step * r.group_size, max_prompt_len=r.max_prompt_len,
+              eos_ids=tuple(r.eos_ids) or None, stop=tuple(r.stop), interrupt=r.interrupt,
+              steps_per_sync=r.steps_per_sync, memory_budget_gb=r.memory_budget_gb)
 
 
 class Engine:
   """Generates completions on one pool. Never imports the trainer: weights arrive by load_weights."""
 
-  def __init__(self, policy, pool, tokenizer, max_new_tokens: int, temperature=1.0, top_k=0, top_p=1.0):
+  def __init__(self, policy, pool, tokenizer, max_new_tokens: int, temperature=1.0, top_k=0, top_p=1.0,
+               min_p=0.0, *, slots=256, max_prompt_len=64, eos_ids=None, stop=(), interrupt="recompute",
+               steps_per_sync=16, memory_budget_gb=0.0, weights_source=None, cache_dtype=None):
     self.policy, self.pool, self.tokenizer = policy, pool, tokenizer
-    self.max_new_tokens = max_new_tokens
-    self.sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    self.max_new_tokens, self.max_prompt_len = int(max_new_tokens), int(max_prompt_len)
+    self.sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p))
+    self.eos_ids = tuple(int(i) for i in (eos_ids if eos_ids is not None else (tokenizer.eos_id,)))
+    self.stop = tuple(stop)
+    if interrupt not in INTERRUPT_MODES:
+      raise UserError(f"rollout.interrupt={interrupt!r}; use one of {INTERRUPT_MODES}")
+    self.interrupt, self.steps_per_sync = interrupt, int(steps_per_sync)
+    self.weights_source = weights_source
+    self.num_slots = int(slots)
+    if self.num_slots < 1 or self.num_slots % pool.batch_divisor:
+      raise UserError(f"rollout.slots={slots} must be a positive multiple of pool '{pool.name}' batch axes "
+                      f"({pool.batch_divisor} ways)")
+    # a sequence spans at most max_prompt_len - 1 cached prompt tokens + max_new_tokens ring columns
+    self.length = self.max_prompt_len + self.max_new_tokens
+    self.cache_dtype = jnp.dtype(cache_dtype or policy.cfg.dtype)
     self.param_shardings = pool.shardings_for(policy.logical_axes(), policy.shapes())
+    self._state_shardings = S.state_shardings(pool, policy.cfg, self.num_slots, self.length)
+    self.memory = self._memory_plan(float(memory_budget_gb))
     self.version, self.params = -1, None
-    self._compiled = {}
+    self.compile_count, self.compile_seconds = 0, 0.0
+    self.decode_steps = 0                      # decode steps run (each over all slots)
+    self.rng = jax.random.key(0)
+    self._fns = {}
+    self._lock = threading.Lock()
+    self._busy = False                         # poll() is running (it alone touches the device state)
+    self._incoming = None                      # (version, params) waiting for a step boundary
+    self._queue = collections.deque()
+    self._seqs = [None] * self.num_slots       # slot -> _Seq in flight
+    self._live = np.zeros(self.num_slots, bool)
+    self._finished = []
+    self._state = None
+    self.greedy = False                        # sample at temperature 0 (argmax)
+    self._chunks = 0
 
+  def _memory_plan(self, budget_gb: float) -> dict:
+    """Per-device bytes of the KV cache and the weights; refuses a cache that does not fit."""
+    cfg = self.policy.cfg
+    shard_bytes = lambda sharding, shape, dtype: int(np.prod(sharding.shard_shape(shape))) * jnp.dtype(dtype).itemsize
+    cache_shape = (self.num_slots, self.length, cfg.n_kv_heads, cfg.head_dim)
+    cache = 2 * cfg.n_layers * shard_bytes(self._state_shardings["cache"][0][0], cache_shape, self.cache_dtype)
+    params = sum(shard_bytes(sh, x.shape, x.dtype) for sh, x in
+                 zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
+    budget = int(budget_gb * 2 ** 30) or int((self.pool.devices[0].memory_stats() or {}).get("bytes_limit", 0))
+    plan = {"kv_cache_bytes": S.cache_bytes(cfg, self.num_slots, self.length, self.cache_dtype),
+            "kv_cache_bytes_per_device": cache, "params_bytes_per_device": params,
+            "budget_bytes_per_device": budget}
+    if budget and cache + params > budget:
+      gib = lambda b: f"{b / 2 ** 30:.2f} GiB"
+      raise UserError(
+          f"rollout: the KV cache for {self.num_slots} slots x {self.length} tokens needs {gib(cache)} per device "
+          f"(+ {gib(params)} of weights) but the budget is {gib(budget)} (rollout.memory_budget_gb); lower "
+          "rollout.slots, rollout.max_prompt_len or rollout.max_new_tokens, or shard the rollout pool wider")
+    return plan
+
+  # ---- weights ------------------------------------------------------------------------------
   def load_weights(self, version: int, params):
-    self.version, self.params = version, params
+    """Safe from any thread: applied now when nothing is in flight, else at the next step boundary."""
+    with self._lock:
+      self._incoming = (version, params)
+      if not self._busy and not self._live.any():
+        self._apply_incoming()
 
+  def _apply_incoming(self):  # caller holds the lock
+    version, params = self._incoming
+    self._incoming = None
+    self.version, self.params = version, params
+    if self._live.any():  # interrupt="recompute": in-flight KV from the new weights
+      self._state = self._run(("recompute",), functools.partial(S.recompute, self.policy), self.params, self._state)
+
+  def _switch_weights(self):
+    """At a step boundary: take weights from the source or another thread, per the interrupt mode."""
+    if self.weights_source is not None:
+      fresh = self.weights_source()
+      if fresh is not None:
+        with self._lock:
+          self._incoming = fresh
+    with self._lock:
+      if self._incoming is not None and (self.interrupt == "recompute" or not self._live.any()):
+        self._apply_incoming()
+
+  # ---- requests -----------------------------------------------------------------------------
+  def submit(self, requests):
+    """Queues requests (FIFO). Their samples come back from poll() once finished."""
+    for r in requests:
+      ids = list(r.prompt) if not isinstance(r.prompt, str) else [self.tokenizer.bos_id] + self.tokenizer.encode(r.prompt)
+      if not 1 <= len(ids) <= self.max_prompt_len:
+        raise UserError(f"a prompt of {len(ids)} tokens does not fit rollout.max_prompt_len={self.max_prompt_len}; "
+                        "raise it (the KV cache grows with it) or shorten the prompt")
+      if not 1 <= r.n <= self.num_slots:
+        raise UserError(f"a request for {r.n} samples needs that many decode slots; rollout.slots={self.num_slots}")
+      budget = self.max_new_tokens if r.max_tokens is None else min(int(r.max_tokens), self.max_new_tokens)
+      self._queue.append((r, ids, max(budget, 1)))
+
+  @property
+  def pending(self) -> int:
+    """Requests queued or in flight."""
+    return len(self._queue) + len({id(s.request) for s in self._seqs if s is not None})
+
+  def poll(self) -> list:
+    """Advances by one hand-back (at most steps_per_sync decode steps); returns the samples finished."""
+    with self._lock:
+      self._busy = True
+    try:
+      self._switch_weights()
+      if self.params is None:
+        raise RuntimeError("engine: no weights loaded; call load_weights(version, params) first")
+      draining = self.interrupt == "finish" and self._incoming is not None
+      if not draining:
+        self._admit()
+      if self._live.any():
+        self._decode(stop_on_finish=bool(self._queue) and not draining)
+    finally:
+      with self._lock:
+        self._busy = False
+    done, self._finished = self._finished, []
+    return done
+
+  def _admit(self):
+    free = [i for i in range(self.num_slots) if self._seqs[i] is None]
+    taken = []
+    while self._queue and len(free) >= self._queue[0][0].n:
+      request, ids, budget = self._queue.popleft()
+      for j in range(request.n):
+        slot = free.pop(0)
+        self._seqs[slot] = _Seq(request, j, ids, budget)
+        taken.append(slot)
+    if not taken:
+      return
+    prompts = []  # one row per request, in admission order
+    for slot in taken:
+      if self._seqs[slot].index == 0:
+        prompts.append(self._seqs[slot].prompt_tokens)
+    n_b = pow2_bucket(len(prompts))
+    p_b = min(pow2_bucket(max(map(len, prompts)), 16), pow2_bucket(self.max_prompt_len, 16))
+    tokens = np.full((n_b, p_b), self.tokenizer.pad_id, np.int32)
+    lengths = np.ones(n_b, np.int32)
+    for i, ids in enumerate(prompts):
+      tokens[i, :len(ids)], lengths[i] = ids, len(ids)
+    m_b = pow2_bucket(len(taken))
+    slot_ids = np.full(m_b, self.num_slots, np.int32)   # padding -> dropped
+    src, max_new = np.zeros(m_b, np.int32), np.ones(m_b, np.int32)
+    row = -1
+    for a, slot in enumerate(taken):
+      seq = self._seqs[slot]
+      row += seq.index == 0
+      slot_ids[a], src[a], max_new[a] = slot, row, seq.max_tokens
+    if self._state is None:
+      self._state = jax.jit(functools.partial(S.init_state, self.policy.cfg, self.num_slots, self.length,
+                                              self.cache_dtype), out_shardings=self._state_shardings)()
+    self._state = self._run(("prefill", n_b, p_b, m_b), functools.partial(S.prefill, self.policy),
+                            self.params, self._state, tokens, lengths, slot_ids, src, max_new)
+    self._live[taken] = True
+
+  def _decode(self, stop_on_finish: bool):
+    sampling = dict(self.sampling, temperature=0.0) if self.greedy else self.sampling
+    fn = functools.partial(S.decode, self.policy, sampling, self.eos_ids, self.steps_per_sync)
+    rng = jax.random.fold_in(self.rng, self._chunks)
+    self._chunks += 1
+    self._state, live, tokens, logprobs, emitted, steps = self._run(
+        ("decode", self.greedy), fn, self.params, self._state, self._live, rng, np.bool_(stop_on_finish),
+        extra_outputs=5)
+    live, tokens, logprobs, emitted, steps = jax.device_get((live, tokens, logprobs, emitted, steps))
+    self.decode_steps += int(steps)
+    for slot in np.flatnonzero(self._live):
+      seq = self._seqs[slot]
+      new = emitted[:steps, slot]
+      seq.tokens.extend(tokens[:steps, slot][new].tolist())
+      seq.logprobs.extend(logprobs[:steps, slot][new].tolist())
+      seq.versions.extend([self.version] * int(new.sum()))
+      reason = None if live[slot] else ("eos" if seq.tokens[-1] in self.eos_ids else "length")
+      stop_at = self._stop_index(seq)
+      if stop_at is not None:
+        reason = "stop"
+        del seq.tokens[stop_at:], seq.logprobs[stop_at:], seq.versions[stop_at:]
+      if reason is not None:
+        self._finish(slot, reason)
+
+  def _stop_index(self, seq):
+    """Token count through the token that completes a stop string (strings may span tokens).
+    One decode of the whole completion per hand-back; the prefix walk only runs on a hit."""
+    stops = self.stop + tuple(seq.request.stop)
+    checked, seq.checked = seq.checked, len(seq.tokens)
+    if not stops or not any(s in self.tokenizer.decode(seq.tokens) for s in stops):
+      return None
+    for k in range(checked + 1, len(seq.tokens) + 1):
+      text = self.tokenizer.decode(seq.tokens[:k])
+      if any(s in text for s in stops):
+        return k
+    return None
+
+  def _finish(self, slot, reason):
+    seq = self._seqs[slot]
+    self._seqs[slot] = None
+    self._live[slot] = False
+    tokens = np.asarray(seq.tokens, np.int32)
+    self._finished.append(Sample(seq.request.id, seq.index, seq.prompt_tokens, tokens,
+                                 np.asarray(seq.logprobs, np.float32), np.asarray(seq.versions, np.int32),
+                                 reason, self.tokenizer.decode(tokens)))
+
+  # ---- the batch interface the orchestrator uses ------------------------------------------------
   def encode_prompts(self, prompts: list[str], group_size: int):
-    """Strings -> left-padded [len(prompts) * group_size, P] tokens and validity."""
+    """Strings -> left-padded [len(prompts) * group_size, P] tokens and validity (the trainer's layout)."""
     ids = [[self.tokenizer.bos_id] + self.tokenizer.encode(p) for p in prompts]
     p_len = bucket(max(map(len, ids)))
     tokens = np.full((len(ids), p_len), self.tokenizer.pad_id, np.int32)
@@ -60,75 +321,50 @@ class Engine:
     for i, row in enumerate(ids):
       tokens[i, p_len - len(row):] = row
       valid[i, p_len - len(row):] = True
-    return np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0)
+    return np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), ids
 
   def generate(self, prompts: list[str], group_size: int, rng, greedy=False, group_ids=None) -> Rollout:
-    if self.params is None:
-      raise RuntimeError("engine: no weights loaded; call load_weights(version, params) first")
-    tokens, valid = self.encode_prompts(prompts, group_size)
-    n = tokens.shape[0]
-    if n % self.pool.batch_divisor:
-      raise UserError(
-          f"rollout batch of {n} sequences does not divide over pool '{self.pool.name}' "
-          f"batch axes ({self.pool.batch_divisor} ways); make prompts x group_size a multiple of it")
-    fn = self._generate_fn(tokens.shape, greedy)
-    batch_sharding = self.pool.sharding(("batch", "length"))
-    out = fn(self.params, jax.device_put(tokens, batch_sharding), jax.device_put(valid, batch_sharding),
-             rng, jnp.int32(self.version))
-    completion, mask, logprobs, versions = jax.device_get(out)
+    """group_size samples of each prompt, continuously batched; rows are prompt-major."""
+    if self._queue or self._live.any():
+      raise RuntimeError("engine: generate() needs an idle engine; drain submit()/poll() first")
+    tokens, valid, ids = self.encode_prompts(prompts, group_size)
+    n, c_len = tokens.shape[0], self.max_new_tokens
+    self.rng, self._chunks, self.greedy = rng, 0, greedy
+    try:
+      self.submit([Request(row, n=group_size, id=i) for i, row in enumerate(ids)])
+      samples = []
+      while len(samples) < n:
+        samples += self.poll()
+    finally:
+      self.greedy = False
+    completion = np.zeros((n, c_len), np.int32)
+    mask = np.zeros((n, c_len), bool)
+    logprobs = np.zeros((n, c_len), np.float32)
+    versions = np.full((n, c_len), -1, np.int32)
+    truncated = np.zeros(n, bool)
+    for s in samples:
+      row, k = s.request_id * group_size + s.index, len(s.tokens)
+      completion[row, :k], mask[row, :k], logprobs[row, :k], versions[row, :k] = s.tokens, True, s.logprobs, s.versions
+      truncated[row] = s.truncated
     if group_ids is None:
       group_ids = np.arange(len(prompts))
     return Rollout(tokens, valid, completion, mask, logprobs, versions,
-                   np.repeat(np.asarray(group_ids), group_size))
+                   np.repeat(np.asarray(group_ids), group_size), truncated=truncated)
 
   def decode(self, rollout: Rollout) -> list[str]:
     return [self.tokenizer.decode(row[m]) for row, m in zip(rollout.completion, rollout.completion_mask)]
 
-  def _generate_fn(self, shape, greedy):
-    key = (shape, greedy)
-    if key not in self._compiled:
-      sampling = dict(self.sampling, temperature=0.0) if greedy else self.sampling
-      self._compiled[key] = jax.jit(
-          functools.partial(_generate, self.policy, self.max_new_tokens, self.tokenizer.eos_id,
-                            sampling, self.pool),
-          in_shardings=(self.param_shardings, None, None, None, None))
-    return self._compiled[key]
-
-
-def _generate(policy, max_new, eos_id, sampling, pool, params, prompt, prompt_valid, rng, version):
-  """Prefill the prompt, then decode until every row hit EOS or max_new tokens."""
-  n, p_len = prompt.shape
-  total = p_len + max_new
-  cache_sharding = pool.sharding(("batch", "length", "kv_heads", "head_dim"))
-  cache = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding),
-                       init_cache(policy.cfg, n, total))
-  key_valid = jnp.concatenate([prompt_valid, jnp.zeros((n, max_new), bool)], axis=1)  # [N, P+C]
-  positions = jnp.maximum(jnp.cumsum(prompt_valid, axis=1) - 1, 0)
-  prefill_mask = (jnp.arange(total)[None, :] <= jnp.arange(p_len)[:, None])[None] & key_valid[:, None, :]
-  logits, cache = policy.apply(params, prompt, positions, prefill_mask, cache, 0)
-  next_pos = positions[:, -1] + 1
-
-  def body(state):
-    t, logits, cache, key_valid, done, out_tok, out_lp, rng = state
-    rng, step_rng = jax.random.split(rng)
-    token, logprob = sample(logits, step_rng, **sampling)
-    live = ~done
-    token = jnp.where(live, token, 0)
-    out_tok = out_tok.at[:, t].set(token)
-    out_lp = out_lp.at[:, t].set(jnp.where(live, logprob, 0.0))
-    key_valid = key_valid.at[:, p_len + t].set(live)
-    done = done | (token == eos_id)
-    step_mask = key_valid[:, None, :]  # [N, 1, P+C]: the new token sees all real keys so far
-    logits, cache = policy.apply(params, token[:, None], (next_pos + t)[:, None], step_mask, cache, p_len + t)
-    return t + 1, logits[:, -1], cache, key_valid, done, out_tok, out_lp, rng
-
-  def cond(state):
-    t, done = state[0], state[4]
-    return (t < max_new) & ~jnp.all(done)
-
-  init = (jnp.int32(0), logits[:, -1], cache, key_valid, jnp.zeros((n,), bool),
-          jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32), rng)
-  _, _, _, key_valid, _, tokens, logprobs, _ = jax.lax.while_loop(cond, body, init)
-  mask = key_valid[:, p_len:]
-  versions = jnp.where(mask, version, -1).astype(jnp.int32)
-  return tokens, mask, logprobs, versions
+  # ---- compiled programs ----------------------------------------------------------------------
+  def _run(self, key, fn, params, state, *args, extra_outputs=0):
+    """fn(params, state, *args) -> state (+ extra outputs): compiled once per key (timed and
+    counted), run on the pool with the state donated, so the cache is updated in place."""
+    if key not in self._fns:
+      t0 = time.perf_counter()
+      replicated = self.pool.replicated()
+      out = (self._state_shardings,) + (replicated,) * extra_outputs if extra_outputs else self._state_shardings
+      jitted = jax.jit(fn, in_shardings=(self.param_shardings, self._state_shardings) + (replicated,) * len(args),
+                       out_shardings=out, donate_argnums=(1,))
+      self._fns[key] = jitted.lower(params, state, *args).compile()
+      self.compile_count += 1
+      self.compile_seconds += time.perf_counter() - t0
+    return self._fns[key](params, state, *args)

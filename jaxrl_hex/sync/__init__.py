@@ -1,103 +1,110 @@
-"""Weight sync: the trainer publishes (version, params) in its layout; the rollout side
-receives them in its own layout. One class per transport, chosen by config.sync.method."""
+"""Weight sync: the train side publishes (version, params) in its layout and gets back a small
+picklable Handle; the rollout side turns a handle into params in its own layout.
+
+  device_put  one JAX runtime: reshard onto the rollout shardings at publish time
+  orbax       any runtimes sharing a path: save from the train layout, restore straight onto
+              the rollout layout (an abstract target carrying the rollout shardings)
+  direct      Ray runtimes: every trainer process puts its own shards in the object store;
+              each rollout process fetches only the shards overlapping its devices (sync/direct.py)
+"""
 import os
+import re
 import shutil
-import threading
 import time
+import typing
 
 import jax
 
+from jaxrl_hex.errors import UserError
 
-class WeightSync:
-  """publish() on the train side, latest_version() / receive() on the rollout side."""
-
-  def __init__(self):
-    self._cond = threading.Condition()
-    self._version = -1
-    self.last_seconds = 0.0
-
-  def latest_version(self) -> int:
-    with self._cond:
-      return self._version
-
-  def wait_for(self, version: int, timeout=None) -> bool:
-    with self._cond:
-      return self._cond.wait_for(lambda: self._version >= version, timeout)
-
-  def _announce(self, version: int):
-    with self._cond:
-      self._version = version
-      self._cond.notify_all()
+METHODS = ("device_put", "orbax", "direct")
 
 
-class DevicePutSync(WeightSync):
-  """In one runtime: reshard with jax.device_put straight onto the rollout shardings."""
+class Handle(typing.NamedTuple):
+  version: int
+  payload: typing.Any = None  # orbax: directory of the version; direct: shard manifest
+
+
+def _target(shapes, shardings):
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+class DevicePutSync:
+  """In one runtime: jax.device_put straight onto the rollout shardings."""
+  cross_process = False
 
   def __init__(self, target_shardings):
-    super().__init__()
     self.target_shardings = target_shardings
-    self._params = None
+    self.last_seconds = 0.0
+    self._latest = (-1, None)
 
-  def publish(self, version, params):
+  def publish(self, version, params) -> Handle:
     start = time.perf_counter()
-    resharded = jax.block_until_ready(jax.device_put(params, self.target_shardings))
+    # never alias: the trainer donates its params to the next step (pools may share devices)
+    resharded = jax.block_until_ready(jax.device_put(params, self.target_shardings, may_alias=False))
     self.last_seconds = time.perf_counter() - start
-    with self._cond:
-      self._params = resharded
-    self._announce(version)
+    self._latest = (version, resharded)  # one tuple assignment: readers see a whole pair
+    return Handle(version)
 
-  def receive(self):
-    with self._cond:
-      return self._version, self._params
+  def receive(self, handle: Handle):
+    version, params = self._latest
+    assert version >= handle.version, "device_put sync: asked for a version not yet published"
+    return version, params
 
 
-class OrbaxSync(WeightSync):
-  """Through storage: save from the train layout, restore onto the rollout layout.
+class OrbaxSync:
+  """Through a shared path. Versions older than the newest `keep` are deleted after a publish."""
+  cross_process = True
 
-  This is the transport separate runtimes use: restore takes an abstract target whose leaves
-  carry the rollout shardings, so no process ever holds the train layout of the other side.
-  Versions older than `keep` are deleted after each publish.
-  """
-
-  def __init__(self, directory, target_shardings, abstract_params, keep=2):
+  def __init__(self, directory, shapes=None, target_shardings=None, keep=3):
     import orbax.checkpoint as ocp
-    super().__init__()
     self.directory = os.path.abspath(directory)
-    os.makedirs(self.directory, exist_ok=True)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+      open(probe, "w").close()
+      os.remove(probe)
+    except OSError as e:
+      raise UserError(f"sync.directory: cannot write to {self.directory} ({e.strerror}); "
+                      "point --config.sync.directory at a writable shared path") from None
     self.keep = keep
     self._ckpt = ocp.StandardCheckpointer()
-    self._target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                abstract_params, target_shardings)
-    self.receive_seconds = 0.0
+    self._target = None if target_shardings is None else _target(shapes, target_shardings)
+    self.last_seconds = 0.0
 
   def _path(self, version):
     return os.path.join(self.directory, f"v{version:08d}")
 
-  def publish(self, version, params):
+  def publish(self, version, params) -> Handle:
     start = time.perf_counter()
     self._ckpt.save(self._path(version), params, force=True)
-    self._ckpt.wait_until_finished()
+    self._ckpt.wait_until_finished()  # a version is announced only once it is fully on disk
     self.last_seconds = time.perf_counter() - start
-    self._announce(version)
-    for old in sorted(os.listdir(self.directory))[:-self.keep]:
-      shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+    if jax.process_index() == 0:
+      for old in self._versions()[:-self.keep]:
+        shutil.rmtree(self._path(old), ignore_errors=True)
+    return Handle(version, self._path(version))
 
-  def receive(self):
-    version = self.latest_version()
-    if version < 0:
-      return version, None
+  def _versions(self):
+    return sorted(int(m.group(1)) for m in map(re.compile(r"^v(\d{8})$").match, os.listdir(self.directory)) if m)
+
+  def receive(self, handle: Handle):
     start = time.perf_counter()
+    version = handle.version
+    if not os.path.isdir(self._path(version)):  # superseded and deleted: the newest is as good
+      version = self._versions()[-1]
     params = self._ckpt.restore(self._path(version), self._target)
-    self.receive_seconds = time.perf_counter() - start
+    self.last_seconds = time.perf_counter() - start
     return version, params
 
 
-METHODS = ("device_put", "orbax")
-
-
-def make_sync(method, target_shardings, abstract_params, directory):
+def make_sync(method, shapes, target_shardings=None, directory=""):
+  """target_shardings: the rollout layout, needed where params are received (None: publish only)."""
   if method == "device_put":
     return DevicePutSync(target_shardings)
   if method == "orbax":
-    return OrbaxSync(directory, target_shardings, abstract_params)
-  raise ValueError(f"sync.method: unknown {method!r}; choose one of {METHODS}")
+    return OrbaxSync(directory, shapes, target_shardings)
+  if method == "direct":
+    from jaxrl_hex.sync.direct import DirectSync
+    return DirectSync(shapes, target_shardings)
+  raise UserError(f"sync.method: unknown {method!r}; choose one of {METHODS}")

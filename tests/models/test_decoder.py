@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxrl_hex.models import Policy, causal_mask, init_cache
 from jaxrl_hex.models.config import model_config, param_count
@@ -60,3 +61,63 @@ def test_sharded_params_follow_logical_axes(pools):
   params = policy.init(0, train)
   assert params["embed"].sharding == train["embed"]
   assert len(params["embed"].sharding.device_set) == 4
+
+
+GEMMA_LIKE = model_config(vocab_size=32, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
+                          tie_embeddings=True, qk_norm=True, norm_style="gemma", post_norms=True,
+                          mlp_activation="gelu_tanh", embed_scale=32 ** 0.5, query_pre_attn_scalar=12.0,
+                          attn_logit_softcap=5.0, final_logit_softcap=3.0, sliding_window=4,
+                          layer_types=("sliding", "sliding", "full"), rope_local_theta=100.0,
+                          rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
+def test_param_count_covers_every_family_feature():
+  policy = Policy.build(GEMMA_LIKE)
+  assert sum(x.size for x in jax.tree.leaves(policy.shapes())) == param_count(GEMMA_LIKE)
+  # per layer: q/k/v/o 32*(32+16+16) + 32*32, MLP 3*32*64, 4 norms of 32, q/k norms of 8
+  assert param_count(GEMMA_LIKE) == 3 * (2048 + 1024 + 6144 + 128 + 16) + 32 * 32 + 32
+
+
+def test_sliding_window_decode_through_a_ring_cache_equals_full_recompute():
+  """The rollout engine keeps each sequence in consecutive slots of a ring: sliding windows must
+  measure distance modulo the ring, and RoPE uses true positions wherever a key sits."""
+  policy = Policy.build(GEMMA_LIKE)
+  params, apply = policy.init(0), jax.jit(policy.apply)
+  n = 10
+  tokens = jax.random.randint(jax.random.key(3), (2, n), 3, 32)
+  positions = jnp.broadcast_to(jnp.arange(n), (2, n))
+  full, _ = policy.apply(params, tokens, positions, causal_mask(jnp.ones((2, n), bool)))
+  cache, start = init_cache(GEMMA_LIKE, 2, n), 7  # token t lives in slot (start + t) % n
+  steps = []
+  for t in range(n):
+    slot_of = (start + jnp.arange(t + 1)) % n
+    valid = jnp.zeros((2, n), bool).at[:, slot_of].set(True)
+    logits, cache = apply(params, tokens[:, t:t + 1], positions[:, t:t + 1], valid[:, None, :], cache,
+                          (start + t) % n)
+    steps.append(logits)
+  np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=1e-5, rtol=0)
+  key_positions = jnp.broadcast_to((jnp.arange(n) - start) % n, (2, n))  # the same, told explicitly
+  last, _ = apply(params, tokens[:, -1:], positions[:, -1:], jnp.ones((2, 1, n), bool), cache,
+                  (start + n - 1) % n, key_positions)
+  np.testing.assert_allclose(last, full[:, -1:], atol=1e-5, rtol=0)
+
+
+def test_sliding_window_changes_what_long_sequences_see():
+  params = Policy.build(GEMMA_LIKE).init(0)
+  wide = Policy.build(model_config(**dict(GEMMA_LIKE, sliding_window=64)))
+  tokens = jax.random.randint(jax.random.key(4), (1, 12), 3, 32)
+  args = (tokens, jnp.arange(12)[None], causal_mask(jnp.ones((1, 12), bool)))
+  narrow_out, wide_out = Policy.build(GEMMA_LIKE).apply(params, *args)[0], wide.apply(params, *args)[0]
+  np.testing.assert_allclose(narrow_out[:, :4], wide_out[:, :4], atol=1e-6)  # inside the window: equal
+  assert np.abs(narrow_out[:, 4:] - wide_out[:, 4:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("norm_style", "layer", "norm_style='layer'; use one of"),
+    ("layer_types", ("full",), "layer_types=.* once per layer"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_scaling.rope_type='yarn'; supported"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 2.0}, r"lacks \['low_freq_factor'"),
+])
+def test_model_config_refuses_what_the_decoder_cannot_do(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    model_config(**dict(GEMMA_LIKE, **{field: value}))

@@ -39,6 +39,16 @@ def test_take_drops_batches_staler_than_eta():
   assert (item.batch_index, staleness, buf.dropped) == (1, 1, 1)
 
 
+def test_batches_come_out_in_order_whatever_order_they_finish_in():
+  buf = Buffer(max_staleness=3, trainer_version=0, next_batch=5)
+  buf.put(_item(7, version=0))
+  buf.put(_item(6, version=0))
+  with pytest.raises(TimeoutError, match="batch 5"):
+    buf.take(timeout=0.01)
+  buf.put(_item(5, version=0))
+  assert [buf.take(timeout=1)[0].batch_index for _ in range(3)] == [5, 6, 7]
+
+
 def test_close_with_error_reaches_the_trainer():
   buf = Buffer(max_staleness=1)
   buf.close(RuntimeError("rollout died"))

@@ -63,7 +63,17 @@ def test_same_rng_same_samples_and_greedy_is_deterministic(setup):
   np.testing.assert_array_equal(g1.completion[0::2], g1.completion[1::2])  # a group is identical
 
 
-def test_batch_that_does_not_divide_the_data_axis_is_refused(setup):
+def test_slots_that_do_not_divide_the_data_axis_are_refused(setup, pools):
+  policy, _, _ = setup
+  with pytest.raises(UserError, match=r"rollout.slots=3 must be a positive multiple of pool 'rollout' batch axes \(2 ways\)"):
+    Engine(policy, pools["rollout"], TOK, max_new_tokens=8, slots=3)
+
+
+def test_more_rows_than_slots_and_rows_that_do_not_divide_the_data_axis(setup):
   _, _, engine = setup
-  with pytest.raises(UserError, match=r"batch of 3 sequences does not divide .* \(2 ways\)"):
-    engine.generate(PROMPTS[:3], 1, jax.random.key(0))
+  rollout = engine.generate(PROMPTS[:3], 1, jax.random.key(0))  # 3 rows on 64 slots
+  assert rollout.completion.shape == (3, 8) and rollout.completion_mask[:, 0].all()
+  small = Engine(engine.policy, engine.pool, TOK, max_new_tokens=8, slots=2)
+  small.load_weights(7, engine.params)
+  rollout = small.generate(PROMPTS, 2, jax.random.key(0))  # 8 rows through 2 slots
+  assert rollout.completion_mask[:, 0].all() and rollout.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

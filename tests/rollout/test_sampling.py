@@ -33,3 +33,22 @@ def test_temperature_sampling_matches_the_distribution():
   tokens, _ = sample(LOGITS, jax.random.key(3), temperature=1.0)
   freq = np.bincount(np.asarray(tokens), minlength=5) / len(tokens)
   np.testing.assert_allclose(freq, jax.nn.softmax(LOGITS[0]), atol=0.035)
+
+
+def test_top_p_bisection_keeps_the_same_set_as_a_full_sort():
+  from jaxrl_hex.rollout.sampling import top_p_cutoff
+  logits = jax.random.normal(jax.random.key(4), (64, 512)) * 3
+  for top_p in (0.1, 0.5, 0.9, 0.99):
+    kept = np.asarray(logits >= top_p_cutoff(logits, top_p))
+    order = np.argsort(-np.asarray(logits), axis=-1)
+    probs = np.take_along_axis(np.asarray(jax.nn.softmax(logits)), order, -1)
+    n_keep = (np.cumsum(probs, -1) < top_p).sum(-1) + 1  # smallest prefix reaching top_p
+    np.testing.assert_array_equal(kept.sum(-1), n_keep)
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_best():
+  probs = jax.nn.softmax(LOGITS[0])  # ~[0.53, 0.20, 0.12, 0.03, 0.07]
+  tokens, _ = sample(LOGITS, jax.random.key(5), temperature=1.0, min_p=0.2)  # keeps p >= 0.106
+  assert set(np.unique(tokens)) == {0, 1, 2}
+  share = np.bincount(np.asarray(tokens), minlength=5)[:3] / len(tokens)
+  np.testing.assert_allclose(share, probs[:3] / probs[:3].sum(), atol=0.04)

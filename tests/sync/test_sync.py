@@ -2,11 +2,17 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl_hex.errors import UserError
 from jaxrl_hex.models import Policy
 from jaxrl_hex.models.config import model_config
-from jaxrl_hex.sync import make_sync
+from jaxrl_hex.sync import Handle, make_sync
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
+
+
+def assert_same_values(got, want):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("method", ["device_put", "orbax"])
@@ -14,28 +20,37 @@ def test_resharding_preserves_every_value(pools, method, tmp_path):
   policy = Policy.build(CFG)
   train_sh = pools["train"].shardings_for(policy.logical_axes(), policy.shapes())
   rollout_sh = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
-  sync = make_sync(method, rollout_sh, policy.shapes(), str(tmp_path / "sync"))
-  for version in (1, 2, 3):
+  sync = make_sync(method, policy.shapes(), rollout_sh, str(tmp_path / "sync"))
+  for version in (1, 2, 3, 4):
     params = policy.init(version, train_sh)
-    sync.publish(version, params)
-    got_version, got = sync.receive()
-    assert got_version == version == sync.latest_version()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(got):
-      want = params
-      for k in path:
-        want = want[k.key]
-      np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+    handle = sync.publish(version, params)
+    got_version, got = sync.receive(handle)
+    assert got_version == version == handle.version
+    assert_same_values(got, params)
     # every received leaf sits on the rollout pool's devices, in the rollout layout
     assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), got, rollout_sh))
     assert {d.id for x in jax.tree.leaves(got) for d in x.sharding.device_set} == {4, 5, 6, 7}
-  if method == "orbax":  # old versions are deleted, the newest kept
-    assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v00000002", "v00000003"]
+  if method == "orbax":  # old versions are deleted, the newest kept; a superseded handle gets the newest
+    assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v00000002", "v00000003", "v00000004"]
+    assert sync.receive(Handle(1))[0] == 4
 
 
-def test_wait_for_blocks_until_the_version_is_published(pools):
+def test_direct_sync_through_the_object_store(pools, ray_session):
   policy = Policy.build(CFG)
+  train_sh = pools["train"].shardings_for(policy.logical_axes(), policy.shapes())
   rollout_sh = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
-  sync = make_sync("device_put", rollout_sh, policy.shapes(), "")
-  assert not sync.wait_for(1, timeout=0.01)
-  sync.publish(1, policy.init(0, rollout_sh))
-  assert sync.wait_for(1, timeout=0.01)
+  params = policy.init(3, train_sh)
+  handle = make_sync("direct", policy.shapes()).publish(7, params)
+  # the train layout splits wq (64, 4, 8) over fsdp=2 x tensor=2: four distinct shards, no copies
+  assert len(handle.payload["['layers'][0]['attn']['wq']"]) == 4
+  version, got = make_sync("direct", policy.shapes(), rollout_sh).receive(handle)
+  assert version == 7
+  assert_same_values(got, params)
+  assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), got, rollout_sh))
+
+
+def test_unwritable_sync_directory_is_refused(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  with pytest.raises(UserError, match="sync.directory: cannot write"):
+    make_sync("orbax", {}, None, str(blocker / "sync"))

@@ -1,0 +1,206 @@
+"""Rollout throughput: one workload on one engine -> one JSON object (new tokens per second).
+
+  python benchmarks/rollout.py --workload W1 --engine ours --json
+  python benchmarks/rollout.py --workload W5 --engine tunix --json   # runs in benchmarks/.venv-tunix
+
+Engines: ours (continuous batching, jaxrl_hex.rollout.engine), naive (our static-batch decode,
+benchmarks/rollout_naive.py), tunix (Tunix's vanilla Sampler with a Qwen3 model of the same
+shape, in its own virtual environment: bash benchmarks/setup_tunix.sh).
+
+Model: a tiny Qwen3-like decoder (vocab 512, d_model 256, 4 layers, 4 query / 2 KV heads,
+head_dim 64, MLP 1024, fp32, random weights). Ours has no QK-norm (jaxrl_hex's decoder lacks
+it); Tunix's Qwen3 has it, which costs it two small RMSNorms per layer. EOS is unreachable
+(id = vocab size), so lengths are set by each request's token budget. Every engine gets the
+same slot budget (rows decoded at once); new tokens counted are the requested ones.
+
+Timing: one cold run (compile + run), then --repeats warm runs; new_tokens_per_s uses the
+best warm run (the machine is shared: the fastest run is the least disturbed one) and
+compile_s = cold - best warm.
+
+This file must not import jaxrl_hex at module level: the tunix engine runs it in the Tunix venv.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TUNIX_PYTHON = os.path.join(HERE, ".venv-tunix", "bin", "python")
+MODEL = dict(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, mlp_dim=1024)
+PAD, BOS = 0, 1
+EOS = MODEL["vocab_size"]  # never sampled
+ENGINES = ("ours", "naive", "tunix")
+
+
+def workload(name: str) -> dict:
+  """prompts [n, P] token ids (BOS first), group (samples per prompt), budgets [n * group] (prompt-major), slots."""
+  rng = np.random.default_rng(0)
+  if name == "W1":    # decode: 32 prompts x 32 tokens, 64 new tokens each
+    n, group, budgets, slots = 32, 1, [64] * 32, 32
+  elif name == "W2":  # group decode: 8 prompts x 8 samples
+    n, group, budgets, slots = 8, 8, [64] * 64, 64
+  elif name == "W5":  # long tail: 90% stop at 16 new tokens, 10% at 256; 32 slots for everyone
+    n, group, slots = 256, 1, 32
+    budgets = rng.permutation([256] * 26 + [16] * 230).tolist()
+  else:
+    raise SystemExit(f"--workload {name!r}: use W1, W2 or W5")
+  prompts = np.concatenate([np.full((n, 1), BOS), rng.integers(3, MODEL["vocab_size"], (n, 31))], 1)
+  return dict(prompts=prompts.astype(np.int32), group=group, budgets=budgets, slots=slots, max_new=max(budgets))
+
+
+def timed(run, repeats: int) -> tuple[float, float, int]:
+  """-> (best warm seconds, compile seconds, new tokens of one run)."""
+  t0 = time.perf_counter()
+  tokens = run(0)
+  cold = time.perf_counter() - t0
+  warm = []
+  for i in range(repeats):
+    t0 = time.perf_counter()
+    got = run(i + 1)
+    warm.append(time.perf_counter() - t0)
+    assert got == tokens, (got, tokens)
+  best = min(warm)
+  return best, max(cold - best, 0.0), tokens
+
+
+class IntTokenizer:
+  """Token ids written as space-separated integers (both engines take ids; text only for output)."""
+  pad_id, bos_id, eos_id = PAD, BOS, EOS
+
+  def encode(self, text):
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids):
+    return " ".join(str(int(i)) for i in ids)
+
+
+def _our_policy():
+  import jax
+
+  from jaxrl_hex import meshes
+  from jaxrl_hex.models import Policy
+  from jaxrl_hex.models.config import model_config
+  pool = meshes.Pool(meshes.PoolSpec("rollout", (0,), {}, dict(meshes.DEFAULT_RULES)), jax.devices()[:1])
+  policy = Policy.build(model_config(**MODEL))
+  return pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
+
+
+def run_ours(w, repeats, steps_per_sync):
+  import jax
+
+  from jaxrl_hex.rollout.engine import Engine, Request
+  pool, policy, params = _our_policy()
+  engine = Engine(policy, pool, IntTokenizer(), w["max_new"], temperature=1.0, slots=w["slots"],
+                  max_prompt_len=w["prompts"].shape[1], eos_ids=(EOS,), steps_per_sync=steps_per_sync)
+  engine.load_weights(0, params)
+  g = w["group"]
+
+  def run(seed):
+    engine.rng = jax.random.key(seed)
+    engine.submit([Request(p.tolist(), n=g, max_tokens=w["budgets"][i * g]) for i, p in enumerate(w["prompts"])])
+    samples = []
+    while engine.pending:
+      samples += engine.poll()
+    return sum(len(s.tokens) for s in samples)
+
+  seconds, compile_s, tokens = timed(run, repeats)
+  return dict(seconds=seconds, compile_s=compile_s, new_tokens=tokens, compile_count=engine.compile_count,
+              kv_cache_bytes=engine.memory["kv_cache_bytes"])
+
+
+def run_naive(w, repeats):
+  import jax
+
+  sys.path.insert(0, HERE)
+  from rollout_naive import make_static_generate
+  pool, policy, params = _our_policy()
+  rows = np.repeat(w["prompts"], w["group"], 0)
+  budgets = np.asarray(w["budgets"], np.int32)
+  valid = np.ones_like(rows, bool)
+  generate = make_static_generate(policy, w["max_new"], EOS, dict(temperature=1.0))
+  b = w["slots"]
+
+  def run(seed):
+    total = 0
+    for i in range(0, len(rows), b):  # static batches of the slot budget
+      _, mask, _ = generate(params, rows[i:i + b], valid[i:i + b], budgets[i:i + b], jax.random.key(seed * 1000 + i))
+      total += int(jax.device_get(mask).sum())
+    return total
+
+  seconds, compile_s, tokens = timed(run, repeats)
+  return dict(seconds=seconds, compile_s=compile_s, new_tokens=tokens)
+
+
+def run_tunix(w, repeats):
+  """Tunix's vanilla Sampler on a Qwen3 of the same shape; batches of the slot budget, each to its
+  longest budget (the Sampler has no per-request token budget)."""
+  from flax import nnx
+  from tunix.generate import sampler as tunix_sampler
+  from tunix.models.qwen3 import model as qwen3
+
+  class Tok(IntTokenizer):  # Tunix's adapter calls these as methods
+    def bos_id(self):
+      return BOS
+
+    def eos_id(self):
+      return EOS
+
+    def pad_id(self):
+      return PAD
+
+  cfg = qwen3.ModelConfig(num_layers=MODEL["n_layers"], vocab_size=MODEL["vocab_size"], embed_dim=MODEL["d_model"],
+                          hidden_dim=MODEL["mlp_dim"], num_heads=MODEL["n_heads"], head_dim=MODEL["head_dim"],
+                          num_kv_heads=MODEL["n_kv_heads"], rope_theta=10000, norm_eps=1e-6)
+  model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
+  p_len = w["prompts"].shape[1]
+  cache = tunix_sampler.CacheConfig(cache_size=p_len + w["max_new"], num_layers=cfg.num_layers,
+                                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+  sampler = tunix_sampler.Sampler(model, Tok(), cache)
+  rows = [" ".join(map(str, p[1:])) for p in np.repeat(w["prompts"], w["group"], 0)]  # Tunix adds the BOS
+  budgets, b = w["budgets"], w["slots"]
+
+  def run(seed):
+    total = 0
+    for i in range(0, len(rows), b):
+      out = sampler(rows[i:i + b], max_generation_steps=w["max_new"], max_prompt_length=p_len, temperature=1.0,
+                    top_p=1.0, top_k=None, seed=seed * 1000 + i, eos_tokens=[EOS], return_logprobs=True)
+      total += sum(min(len(t), n) for t, n in zip(out.tokens, budgets[i:i + b]))
+    return total
+
+  seconds, compile_s, tokens = timed(run, repeats)
+  return dict(seconds=seconds, compile_s=compile_s, new_tokens=tokens)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--workload", required=True, choices=("W1", "W2", "W5"))
+  ap.add_argument("--engine", required=True, choices=ENGINES)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--steps-per-sync", type=int, default=16)
+  ap.add_argument("--json", action="store_true", help="print one JSON object (the default prints a line)")
+  args = ap.parse_args(argv)
+  if args.engine == "tunix" and os.path.realpath(sys.prefix) != os.path.realpath(os.path.dirname(os.path.dirname(TUNIX_PYTHON))):
+    if not os.path.exists(TUNIX_PYTHON):
+      raise SystemExit(f"{TUNIX_PYTHON} is missing; run: bash benchmarks/setup_tunix.sh")
+    return subprocess.call([TUNIX_PYTHON, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
+  import jax
+  w = workload(args.workload)
+  if args.engine == "ours":
+    out = run_ours(w, args.repeats, args.steps_per_sync)
+  elif args.engine == "naive":
+    out = run_naive(w, args.repeats)
+  else:
+    out = run_tunix(w, args.repeats)
+  result = dict(workload=args.workload, engine=args.engine, new_tokens_per_s=out["new_tokens"] / out["seconds"],
+                **out, slots=w["slots"], jax=jax.__version__, device=str(jax.devices()[0].platform))
+  print(json.dumps(result) if args.json else
+        f"{args.workload} {args.engine}: {result['new_tokens_per_s']:.0f} new tokens/s, compile {result['compile_s']:.1f}s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,72 @@
+"""Runs the rollout benchmark table (W1, W2, W5 x ours, naive, tunix) and writes its rows into
+benchmarks/README.md; ratios come from this one invocation.
+
+  python benchmarks/rollout_table.py [--repeats 2] [--json benchmarks/out/rollout.json]
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKLOADS = ("W1", "W2", "W5")
+ENGINES = ("ours", "naive", "tunix")
+TARGETS = {"W1": {"tunix": 1.5}, "W2": {"tunix": 2.0}, "W5": {"naive": 3.0, "tunix": 3.0}}
+BEGIN, END = "<!-- rollout-table:begin -->", "<!-- rollout-table:end -->"
+
+
+def run(workload, engine, repeats):
+  out = subprocess.run([sys.executable, os.path.join(HERE, "rollout.py"), "--workload", workload, "--engine", engine,
+                        "--repeats", str(repeats), "--json"], capture_output=True, text=True, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(results) -> str:
+  rows = ["| workload | ours tok/s | naive tok/s | Tunix tok/s | ours / naive | ours / Tunix | target | compiles (ours) | compile s (ours / naive / Tunix) |",
+          "|---|---|---|---|---|---|---|---|---|"]
+  for w in WORKLOADS:
+    r = {e: results[(w, e)] for e in ENGINES}
+    speed = {e: r[e]["new_tokens_per_s"] for e in ENGINES}
+    target = ", ".join(f">= {v}x {k}" for k, v in TARGETS[w].items())
+    compile_s = " / ".join(f"{r[e]['compile_s']:.1f}" for e in ENGINES)
+    rows.append(f"| {w} | {speed['ours']:.0f} | {speed['naive']:.0f} | {speed['tunix']:.0f} | "
+                f"{speed['ours'] / speed['naive']:.2f}x | {speed['ours'] / speed['tunix']:.2f}x | {target} | "
+                f"{r['ours']['compile_count']} | {compile_s} |")
+  return "\n".join(rows)
+
+
+def write_readme(text):
+  path = os.path.join(HERE, "README.md")
+  body = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+  section = f"{BEGIN}\n{text}\n{END}"
+  if BEGIN in body:
+    body = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, body, flags=re.S)
+  else:
+    body = body.rstrip() + "\n\n## Rollout engine (benchmarks/rollout.py)\n\n" + section + "\n"
+  with open(path, "w") as f:
+    f.write(body)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--json", default=None, help="also write every result here")
+  args = ap.parse_args()
+  results = {}
+  for w in WORKLOADS:
+    for e in ENGINES:
+      results[(w, e)] = run(w, e, args.repeats)
+      print(json.dumps(results[(w, e)]), flush=True)
+  text = table(results)
+  print(text)
+  write_readme(text)
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump([results[k] for k in results], f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,83 @@
+"""jaxrl-hex launch tpu|ray ... -- COMMAND: run a jaxrl-hex command on a TPU VM pod slice or an
+existing Ray cluster.
+
+  jaxrl-hex launch tpu --name my-slice --zone us-east5-a --accelerator-type v5p-32 [--dry-run] -- train ...
+  jaxrl-hex launch ray --address http://HEAD:8265 [--dry-run] -- train --config.cluster.backend=ray ...
+
+On a pod slice every worker runs the same command and JAX finds its peers by itself
+(jax.distributed.initialize() reads the TPU metadata), so the command is the same on each.
+"""
+import argparse
+import shlex
+import subprocess
+import sys
+
+from jaxrl_hex.errors import UserError
+
+# chips per host of multi-host slices ("v5litepod" is v5e's accelerator-type name)
+CHIPS_PER_HOST = {"v4": 4, "v5p": 4, "v5litepod": 4, "v5e": 4, "v6e": 4}
+CORES_PER_CHIP = {"v4": 2, "v5p": 2}  # their type names count TensorCores, not chips
+
+
+def tpu_hosts(accelerator_type: str) -> int:
+  """'v5p-32' -> 4 hosts. Single-host types (e.g. v6e-8, v5litepod-8) give 1."""
+  try:
+    family, count = accelerator_type.rsplit("-", 1)
+    chips = int(count) // CORES_PER_CHIP.get(family, 1)
+    per_host = CHIPS_PER_HOST[family]
+  except (ValueError, KeyError):
+    raise UserError(f"--accelerator-type {accelerator_type!r}: expected FAMILY-COUNT with FAMILY in "
+                    f"{sorted(CHIPS_PER_HOST)}, e.g. v5p-32 or v6e-16") from None
+  if chips <= 8 and family in ("v5litepod", "v5e", "v6e"):
+    return 1  # single-host slices carry up to 8 chips
+  return max(1, chips // per_host)
+
+
+def tpu_commands(name, zone, accelerator_type, project, command, repo_dir) -> list[list[str]]:
+  """One gcloud ssh per worker of the slice, each running the same jaxrl-hex command."""
+  remote = f"cd {repo_dir} && JAXRL_HEX_MULTIHOST=1 jaxrl-hex {shlex.join(command)}"  # unquoted: ~ must expand there
+  base = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", name, f"--zone={zone}"]
+  if project:
+    base.append(f"--project={project}")
+  return [base + [f"--worker={w}", f"--command={remote}"] for w in range(tpu_hosts(accelerator_type))]
+
+
+def ray_command(address, command, working_dir) -> list[str]:
+  return ["ray", "job", "submit", f"--address={address}", f"--working-dir={working_dir}", "--",
+          "jaxrl-hex", *command]
+
+
+def main(argv) -> int:
+  if "--" not in argv:
+    print("jaxrl-hex: error: launch needs `-- COMMAND`, e.g. launch tpu ... -- train --config=...", file=sys.stderr)
+    return 2
+  split = argv.index("--")
+  parser = argparse.ArgumentParser(prog="jaxrl-hex launch")
+  sub = parser.add_subparsers(dest="target", required=True)
+  tpu = sub.add_parser("tpu", help="every worker of a TPU VM pod slice")
+  tpu.add_argument("--name", required=True)
+  tpu.add_argument("--zone", required=True)
+  tpu.add_argument("--accelerator-type", required=True)
+  tpu.add_argument("--project", default="")
+  tpu.add_argument("--repo-dir", default="~/jaxrl_hex", help="where the repository is on the workers")
+  tpu.add_argument("--dry-run", action="store_true")
+  ray = sub.add_parser("ray", help="an existing Ray cluster, as a Ray job")
+  ray.add_argument("--address", required=True, help="the Ray dashboard / jobs address, e.g. http://HEAD:8265")
+  ray.add_argument("--working-dir", default=".")
+  ray.add_argument("--dry-run", action="store_true")
+  args = parser.parse_args(argv[:split])
+  command = argv[split + 1:]
+  try:
+    if args.target == "tpu":
+      commands = tpu_commands(args.name, args.zone, args.accelerator_type, args.project, command, args.repo_dir)
+    else:
+      commands = [ray_command(args.address, command, args.working_dir)]
+  except UserError as e:
+    print(f"jaxrl-hex: error: {e}", file=sys.stderr)
+    return 2
+  if args.dry_run:
+    for c in commands:
+      print(shlex.join(c))
+    return 0
+  procs = [subprocess.Popen(c) for c in commands]  # the workers run together, not one after another
+  return max(p.wait() for p in procs)

@@ -1,0 +1,121 @@
+"""Both sides in this JAX runtime. The Ray workers wrap these same classes, one per process."""
+import os
+import time
+
+import jax
+
+from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
+from jaxrl_hex.config import resolve_path
+from jaxrl_hex.evaluation import greedy_completions
+from jaxrl_hex.models.hf import load_params
+from jaxrl_hex.rl.objectives import make_rl_loss
+from jaxrl_hex.rl.trainer import Trainer, make_optimizer
+from jaxrl_hex.rollout.engine import Engine
+from jaxrl_hex.sft import run_sft
+from jaxrl_hex.sync import make_sync
+
+
+def sync_directory(cfg, workdir):
+  return resolve_path(cfg.sync.directory) if cfg.sync.directory else os.path.join(workdir, "sync")
+
+
+class LocalTrainSide:
+  """The trainer on the train pool, started from a checkpoint, init_from, or a warm start."""
+
+  def __init__(self, rt, workdir, resume, recorder, sync):
+    cfg = rt.cfg
+    self.rt, self.sync = rt, sync
+    self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    params = rt.policy.init(cfg.seed, rt.shardings("train"))
+    self.warmstart, self.meta = None, {}
+    if cfg.init_from and not resume:
+      init_dir = os.path.join(resolve_path(cfg.init_from), "checkpoints")
+      if not os.path.isdir(init_dir):
+        raise CheckpointError(f"init_from: {cfg.init_from!r} has no checkpoints/ directory; "
+                              "point it at the workdir of an sft or train run")
+      params = Checkpointer(init_dir).restore({"params": params}, with_meta=False)[0]["params"]
+    elif cfg.get("model_dir") and not resume:  # a Hugging Face checkpoint, read onto the train pool
+      params = load_params(resolve_path(cfg.model_dir), rt.policy.cfg, rt.shardings("train"))
+    elif not resume:
+      params, self.warmstart = run_sft(rt, params, recorder, phase="warmstart")
+    ref = jax.tree.map(lambda x: x.copy(), params) if cfg.algo.kl_coef > 0 else None
+    updates = cfg.train.steps * cfg.algo.minibatches  # the schedule counts optimizer updates
+    self.trainer = Trainer(rt.policy, rt.pool("train"), make_optimizer(cfg.optim, updates),
+                           make_rl_loss(cfg.algo, cfg.rollout.temperature), params, ref_params=ref)
+    if resume:
+      restored, self.meta = self.checkpointer.restore(self._state())
+      self.trainer.load_state(restored, self.meta["policy_version"])
+
+  @property
+  def version(self) -> int:
+    return self.trainer.version
+
+  def _state(self):
+    return self.trainer.state()  # params, opt_state, and ref_params / critic when the algorithm has them
+
+  def step(self, batch) -> dict:
+    return self.trainer.step(batch)
+
+  def publish(self):
+    return self.sync.publish(*self.trainer.weights())
+
+  @property
+  def sync_seconds(self) -> float:
+    return self.sync.last_seconds
+
+  def save(self, meta: dict):
+    self.checkpointer.save(self.trainer.version, self._state(), meta)
+
+  def describe(self) -> dict:
+    return dict(self.rt.pool("train").describe(), processes=[{"pid": os.getpid(), "host": os.uname().nodename}])
+
+  def close(self):
+    self.checkpointer.close()
+
+
+class LocalRolloutSide:
+  """The engine on the rollout pool, pulling weights from the sync whenever a newer version exists."""
+  replicas = 1
+  restarts = 0
+
+  def __init__(self, rt, sync):
+    r = rt.cfg.rollout
+    self.rt, self.sync = rt, sync
+    pool = rt.pool("rollout")
+    self.engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
+                         max_prompt_len=r.max_prompt_len)
+    self.eval_engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, max_prompt_len=r.max_prompt_len)
+
+  def _refresh(self, engine, handle):
+    if handle.version > engine.version:
+      start = time.time()
+      engine.load_weights(*self.sync.receive(handle))
+      return start, time.time()
+    return None
+
+  def generate(self, records, group_size, seed, batch_index, handle):
+    """-> (Rollout, receive span or None). Weights are at least handle.version."""
+    span = self._refresh(self.engine, handle)
+    rollout = self.engine.generate([r["prompt"] for r in records], group_size,
+                                   jax.random.fold_in(jax.random.key(seed), batch_index),
+                                   group_ids=[r["index"] for r in records])
+    return rollout, span
+
+  def evaluate(self, records, handle) -> list[str]:
+    self._refresh(self.eval_engine, handle)
+    return greedy_completions(self.eval_engine, records, len(records))
+
+  def decode(self, rollout):
+    return self.engine.decode(rollout)
+
+  def describe(self) -> dict:
+    return dict(self.rt.pool("rollout").describe(), processes=[{"pid": os.getpid(), "host": os.uname().nodename}])
+
+  def close(self):
+    pass
+
+
+def local_sides(rt, workdir, resume, recorder):
+  cfg = rt.cfg
+  sync = make_sync(cfg.sync.method, rt.policy.shapes(), rt.shardings("rollout"), sync_directory(cfg, workdir))
+  return LocalTrainSide(rt, workdir, resume, recorder, sync), LocalRolloutSide(rt, sync)

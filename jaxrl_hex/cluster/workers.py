@@ -1,0 +1,132 @@
+"""Ray actors: one JAX process each. They wrap the local sides (cluster/local.py), so a pool
+computes exactly as it does in one process; only devices and transport differ."""
+import os
+import socket
+
+from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide, sync_directory
+
+
+def _config(cfg_json):
+  import ml_collections
+  return ml_collections.ConfigDict(__import__("json").loads(cfg_json))
+
+
+def _start_jax(platform, local_devices, affinity, coordinator=None, num_processes=1, process_id=0):
+  """Configure this process's JAX before its first operation; join a multi-process runtime."""
+  import jax
+  if affinity:  # pin the pool to its own cores, so pools on one machine really run in parallel
+    os.sched_setaffinity(0, affinity)
+  if platform == "cpu":
+    jax.config.update("jax_num_cpu_devices", local_devices)
+    if num_processes > 1:
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if num_processes > 1:
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
+
+
+def _describe(process_index=0):
+  import jax
+  return {"pid": os.getpid(), "host": socket.gethostname(), "process_index": process_index,
+          "local_devices": [d.id for d in jax.local_devices()]}
+
+
+class _NullRecorder:
+  t0 = 0.0
+
+  def log(self, row):
+    pass
+
+  def span(self, *args, **kwargs):
+    pass
+
+
+class TrainWorker:
+  """Process `process_id` of the train pool's runtime."""
+
+  def __init__(self, cfg_json, workdir, resume, process_id, num_processes):
+    self.cfg_json, self.workdir, self.resume = cfg_json, workdir, resume
+    self.process_id, self.num_processes = process_id, num_processes
+
+  def coordinator_address(self) -> str:
+    """host:port on this worker's node for jax.distributed (process 0 serves it)."""
+    import ray
+    with socket.socket() as s:
+      s.bind(("", 0))
+      port = s.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+  def start(self, coordinator) -> dict:
+    from jaxrl_hex.metrics import Recorder
+    from jaxrl_hex.runtime import build_runtime
+    from jaxrl_hex.sync import make_sync
+    cfg = _config(self.cfg_json)
+    from jaxrl_hex.runtime import load_mesh
+    mesh_file = load_mesh(cfg)
+    spec = mesh_file.pools["train"]
+    _start_jax(mesh_file.platform, len(spec.device_ids) // spec.processes, spec.affinity,
+               coordinator, self.num_processes, self.process_id)
+    rt = build_runtime(cfg, own_runtime=True)
+    recorder = Recorder(self.workdir, append=True) if self.process_id == 0 else _NullRecorder()
+    self.sync = make_sync(cfg.sync.method, rt.policy.shapes(), None, sync_directory(cfg, self.workdir))
+    self.side = LocalTrainSide(rt, self.workdir, self.resume, recorder, self.sync)
+    return {"version": self.side.version, "meta": self.side.meta, "warmstart": self.side.warmstart}
+
+  def step(self, batch) -> dict:
+    return self.side.step(batch)
+
+  def publish(self):
+    """orbax: every process writes its shards, -> Handle; direct: this process's manifest piece."""
+    if self.side.rt.cfg.sync.method == "direct":
+      return self.sync.publish_local(self.side.trainer.params), self.sync.last_seconds
+    return self.side.publish(), self.sync.last_seconds
+
+  def save(self, meta):
+    self.side.save(meta)
+
+  def describe(self) -> dict:
+    return _describe(self.process_id)
+
+  def fetch_params(self):
+    """The whole params on the host (every process gathers): for checks and exports of small models."""
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(self.side.trainer.params, tiled=True)
+
+  def close(self):
+    self.side.close()
+
+
+class RolloutWorker:
+  """One rollout replica: a single-process runtime with the rollout pool's mesh."""
+
+  def __init__(self, cfg_json, workdir):
+    from jaxrl_hex.runtime import build_runtime, load_mesh
+    from jaxrl_hex.sync import make_sync
+    cfg = _config(cfg_json)
+    mesh_file = load_mesh(cfg)
+    spec = mesh_file.pools["rollout"]
+    _start_jax(mesh_file.platform, len(spec.device_ids), spec.affinity)
+    rt = build_runtime(cfg, own_runtime=True)
+    sync = make_sync(cfg.sync.method, rt.policy.shapes(), rt.shardings("rollout"), sync_directory(cfg, workdir))
+    self.side = LocalRolloutSide(rt, sync)
+
+  def ready(self) -> bool:
+    return True
+
+  def generate(self, records, group_size, seed, batch_index, handle):
+    return self.side.generate(records, group_size, seed, batch_index, handle)
+
+  def evaluate(self, records, handle):
+    return self.side.evaluate(records, handle)
+
+  def describe(self) -> dict:
+    return _describe()
+
+  def receive(self, handle) -> int:
+    """Load the weights of `handle` now (otherwise they load at the next generate)."""
+    self.side._refresh(self.side.engine, handle)
+    return self.side.engine.version
+
+  def fetch_params(self):
+    import jax
+    return jax.device_get(self.side.engine.params)

@@ -1,0 +1,474 @@
+"""Allocation: split a cluster into a training pool and rollout replicas, and pick each layout.
+
+The training pool is one device type (one JAX runtime, one mesh), so the outer search walks
+the training FLOP share in its natural steps -- every (type, chip count) -- and keeps the best
+layout for each. The rollout side is the AReaL-Hex MILP over replica configurations psi:
+integer replica counts y_psi and sequence assignments x_psi with sum x = B and
+s_psi + time_psi(x_psi / y_psi) <= Theta, where s_psi is the replica's weight-receive pause and
+time_psi(n) = max(a + b*n, c*n) (cost_model.Replica.load_coeffs; c*n is the paper's
+n*len/h_psi at full concurrency, a + b*n covers replicas the staleness gate cannot fill).
+Multiplied by y_psi, both pieces are linear for a fixed Theta, so the makespan is minimised
+by bisection on Theta over feasibility MILPs (scipy.optimize.milp / HiGHS); each of them also
+minimises price, so the rollout side is never bigger than it needs to be.
+"""
+import dataclasses
+import heapq
+import itertools
+import math
+import pathlib
+
+import numpy as np
+import yaml
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from jaxrl_hex.planner import PlanError
+from jaxrl_hex.planner import cost_model as cm
+from jaxrl_hex.planner.catalog import load_catalog
+
+OBJECTIVES = ("throughput", "cost")
+BISECT_TOL = 1e-4      # relative width at which the makespan bisection stops
+PRICE_STEP = 1e-6      # $/h: "strictly cheaper" when walking the cost/makespan frontier
+DEVICE_TIEBREAK = 1e-7  # $/h per chip: among equal prices, prefer fewer chips
+REL_EQ = 1e-9          # objectives closer than this are ties
+# Frontier levels the cost search walks per training split: the cheapest plans sit near the
+# balanced point (the outer search also shrinks the trainer), so a few levels suffice; it is
+# exact on the small clusters the tests compare with exhaustive search.
+COST_LEVELS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  counts: dict       # {device type: chips available}, in file order
+  catalog: dict      # {device type: catalog.Device}
+  workload: cm.Workload
+
+
+def load_cluster(path, catalog_extra=None) -> Cluster:
+  """meshes/cluster-*.yaml: cluster: [{type, count}], optional workload:, prices:, catalog:."""
+  path = pathlib.Path(path)
+  try:
+    data = yaml.safe_load(path.read_text()) or {}
+  except FileNotFoundError:
+    raise PlanError(f"cluster file {path} not found; pass --cluster meshes/cluster-NAME.yaml") from None
+  except yaml.YAMLError as e:
+    raise PlanError(f"cluster file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+  if not isinstance(data, dict) or not isinstance(data.get("cluster"), list) or not data["cluster"]:
+    raise PlanError(f"cluster file {path}: needs `cluster: [{{type: H100, count: 8}}, ...]`")
+  unknown = set(data) - {"cluster", "workload", "prices", "catalog"}
+  if unknown:
+    raise PlanError(f"cluster file {path}: unknown key(s) {sorted(unknown)}; known: cluster, workload, prices, catalog")
+  extra = catalog_extra or (data.get("catalog") and path.parent / data["catalog"])
+  catalog = load_catalog(extra, data.get("prices"))
+  counts = {}
+  for i, entry in enumerate(data["cluster"]):
+    if not isinstance(entry, dict) or "type" not in entry or "count" not in entry:
+      raise PlanError(f"cluster file {path}: cluster[{i}] needs `type` and `count`")
+    kind = str(entry["type"])
+    if kind not in catalog:
+      raise PlanError(f"cluster file {path}: unknown device type '{kind}'; known: {', '.join(catalog)} "
+                      f"(add it with --catalog EXTRA.yaml)")
+    if not isinstance(entry["count"], int) or entry["count"] < 1:
+      raise PlanError(f"cluster file {path}: cluster[{i}].count must be a positive integer")
+    counts[kind] = counts.get(kind, 0) + entry["count"]
+  return Cluster(counts, catalog, cm.Workload.from_dict(data.get("workload"), f"{path}: workload"))
+
+
+# ---------------------------------------------------------------- candidates
+
+@dataclasses.dataclass(frozen=True)
+class TrainChoice:
+  device_type: str
+  layout: cm.TrainLayout
+  time: cm.TimeParts     # one step over the workload's tokens
+  fixed_s: float         # the part of a step that does not scale with tokens (for the simulator)
+  send_s: float          # pushing new weights out to the rollout side
+  price_per_hour: float
+
+  @property
+  def step_s(self) -> float:
+    return self.time.total_s + self.send_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """A replica configuration psi for a given training pool (its receive pause depends on it)."""
+  replica: cm.Replica
+  coeffs: tuple      # (a, b, c): seconds to generate n sequences = max(a + b*n, c*n)
+  recv_s: float
+  price_per_hour: float
+
+  def seconds(self, n, y):
+    """Makespan of y replicas sharing n sequences, weight receive included."""
+    a, b, c = self.coeffs
+    return self.recv_s + max(a + b * n / y, c * n / y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  option: Option
+  count: int        # y_psi
+  assigned: int     # x_psi: sequences of one step
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  objective: str
+  workload: cm.Workload
+  train: TrainChoice
+  groups: tuple            # of Group, count > 0
+  rollout_s: float         # makespan of one step's sequences, receive pause included
+  step_s: float
+  gen_tokens_per_s: float
+  price_per_hour: float
+  train_flop_share: float
+  idle: dict               # {device type: chips left unused}
+
+  @property
+  def usd_per_mtok(self) -> float:
+    return self.price_per_hour / 3600 / self.gen_tokens_per_s * 1e6
+
+  @property
+  def rollout_devices(self) -> dict:
+    used = {}
+    for g in self.groups:
+      used[g.option.replica.device_type] = used.get(g.option.replica.device_type, 0) + g.count * g.option.replica.tensor
+    return used
+
+
+class Problem:
+  """A model on a cluster: the cost-model figures every search (planner or exhaustive) shares."""
+
+  def __init__(self, model_cfg, cluster: Cluster, name="model"):
+    self.m = cm.ModelCost.from_config(model_cfg)
+    self.cluster, self.w, self.name = cluster, cluster.workload, name
+    self.devs = {k: cluster.catalog[k] for k in cluster.counts}
+    self.total_flops = sum(self.devs[k].flops * n for k, n in cluster.counts.items())
+    self.seq_len = self.w.prompt_len + self.w.output_max
+    self.replicas = {k: [r for t in cm.tensor_degrees(d) if (r := cm.replica(self.m, d, t, self.w))]
+                     for k, d in self.devs.items()}
+
+  def train_choice(self, kind, n):
+    """Fastest feasible layout of n chips of `kind`, or None if none fits."""
+    dev, best = self.devs[kind], None
+    for layout in cm.train_layouts(self.m, dev, n, self.seq_len):
+      time = cm.train_time(self.m, dev, layout, self.w.trained_tokens, self.seq_len)
+      if best is None or time.total_s < best.total_s:
+        best, best_layout = time, layout
+    if best is None:
+      return None
+    bw = self._sync_bw(dev, dev)  # the sender's own NIC/link
+    fixed = cm.train_time(self.m, dev, best_layout, 0, self.seq_len).total_s
+    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw),
+                       n * dev.price_per_hour)
+
+  def _sync_bw(self, src, dst):
+    same_fabric = src.platform == "tpu" or self.cluster.counts[src.name] <= src.chips_per_host
+    return cm.sync_bw(src, dst, same_fabric)
+
+  def options(self, train: TrainChoice, limits):
+    src = self.devs[train.device_type]
+    return [Option(r, r.load_coeffs(self.w), cm.sync_recv_time(self.m, r.tensor, self._sync_bw(src, self.devs[k])),
+                   r.tensor * self.devs[k].price_per_hour)
+            for k in limits for r in self.replicas[k] if r.tensor <= limits[k]]
+
+  def evaluate(self, objective, train: TrainChoice, counts) -> Plan:
+    """Exact figures of one allocation: `counts` is [(Option, y)]; x comes from water-filling."""
+    used = [(o, y) for o, y in counts if y > 0]
+    makespan, assigned = water_fill(used, self.w.sequences)
+    rollout_side = makespan + self.w.reward_s
+    # eta >= 1 overlaps the sides (AReaL-Hex: max(C_train, C_rollout + C_reward + C_sync));
+    # eta = 0 is synchronous RL, where they alternate.
+    step = max(train.step_s, rollout_side) if self.w.eta > 0 else train.step_s + rollout_side
+    groups = tuple(Group(o, y, x) for (o, y), x in zip(used, assigned))
+    idle = dict(self.cluster.counts)
+    idle[train.device_type] -= train.layout.devices
+    for g in groups:
+      idle[g.option.replica.device_type] -= g.count * g.option.replica.tensor
+    return Plan(objective, self.w, train, groups, makespan, step,
+                self.w.sequences * self.w.output_mean / step,
+                train.price_per_hour + sum(g.option.price_per_hour * g.count for g in groups),
+                train.layout.devices * self.devs[train.device_type].flops / self.total_flops,
+                {k: v for k, v in idle.items() if v})
+
+  def splits(self):
+    """Every (training choice, rollout chip limits) the outer search considers."""
+    for kind, count in self.cluster.counts.items():
+      for n in range(1, count + 1):
+        train = self.train_choice(kind, n)
+        if train is not None:
+          limits = dict(self.cluster.counts)
+          limits[kind] -= n
+          yield train, {k: v for k, v in limits.items() if v}
+
+  def check_feasible(self):
+    """Raise a one-line PlanError when the model fits no device or no split hosts a replica."""
+    gb = 1e9
+    if not any(self.replicas.values()):
+      worst = max(self.devs.values(), key=lambda d: d.hbm_gb)
+      raise PlanError(
+          f"model '{self.name}' fits no device for rollout: {self.m.weight_bytes / gb:.1f} GB of weights plus "
+          f"one {self.w.prompt_len}+{self.w.output_max}-token KV cache exceed every type's memory even at the "
+          f"largest tensor degree (largest: {worst.name}, {worst.hbm_gb:g} GB x {worst.chips_per_host}); "
+          f"add devices with more memory, lower workload.output_len.max, or use a smaller model")
+    trainable = [(k, n) for k, n in self.cluster.counts.items()
+                 if next(cm.train_layouts(self.m, self.devs[k], n, self.seq_len), None)]
+    if not trainable:
+      k, n = max(self.cluster.counts.items(), key=lambda kv: kv[1] * self.devs[kv[0]].hbm_gb)
+      need = cm.train_memory(self.m, cm.TrainLayout(1, n, 1), self.seq_len) / gb
+      raise PlanError(
+          f"model '{self.name}' fits no device for training: sharded over all {n} {k} it still needs "
+          f"{need:.1f} GB per chip of {cm.MEMORY_HEADROOM * self.devs[k].hbm_gb:.1f} GB usable; add chips or "
+          f"larger-memory devices, lower workload.output_len.max, or use a smaller model")
+    smallest = min((r.tensor * self.devs[k].price_per_hour, r.tensor, k)
+                   for k, rs in self.replicas.items() for r in rs)
+    raise PlanError(
+        f"cluster {dict(self.cluster.counts)} cannot host one rollout replica next to a training pool "
+        f"(smallest replica: {smallest[1]} x {smallest[2]}; training fits on {trainable[0][1]} x {trainable[0][0]} "
+        f"at most); add devices so both pools fit")
+
+
+def water_fill(used, sequences):
+  """Assign `sequences` one at a time to the group that would finish it earliest; exact for
+  min-max of increasing per-group times. Returns (makespan, per-group counts)."""
+  if not used:
+    return math.inf, []
+  x = [0] * len(used)
+  heap = [(o.seconds(1, y), i) for i, (o, y) in enumerate(used)]
+  heapq.heapify(heap)
+  for _ in range(sequences):
+    _, i = heapq.heappop(heap)
+    x[i] += 1
+    o, y = used[i]
+    heapq.heappush(heap, (o.seconds(x[i] + 1, y), i))
+  return max(o.seconds(xi, y) for (o, y), xi in zip(used, x)), x
+
+
+# ---------------------------------------------------------------- the MILP
+
+class RolloutMILP:
+  """Replica MILP over options psi with per-type chip limits; variables [y_psi..., x_psi...]."""
+
+  def __init__(self, options, limits, sequences):
+    self.opts, self.B = options, sequences
+    k = len(options)
+    self.k = k
+    types = list(limits)
+    usage = np.zeros((len(types), 2 * k))
+    for i, o in enumerate(options):
+      usage[types.index(o.replica.device_type), i] = o.replica.tensor
+    self.base = [LinearConstraint(np.r_[np.zeros(k), np.ones(k)][None], sequences, sequences),
+                 LinearConstraint(usage, 0, [limits[t] for t in types])]
+    self.price = np.array([o.price_per_hour + DEVICE_TIEBREAK * o.replica.tensor for o in options])
+    self.y_max = np.array([limits[o.replica.device_type] // o.replica.tensor for o in options], float)
+    self.a, self.b, self.c = (np.array(v) for v in zip(*(o.coeffs for o in options)))
+    self.recv = np.array([o.recv_s for o in options])
+    # Fluid bound: every chip of a type at its best saturated per-chip rate.
+    per_chip = {}
+    for o, c in zip(options, self.c):
+      t = o.replica.device_type
+      per_chip[t] = max(per_chip.get(t, 0), 1 / (c * o.replica.tensor))
+    self.theta_lo = self.recv.min() + sequences / sum(limits[t] * v for t, v in per_chip.items())
+
+  def min_price(self, theta, price_cap=math.inf):
+    """Cheapest y with makespan <= theta (and price <= cap), or None if infeasible."""
+    k = self.k
+    # s + max(a + b*x/y, c*x/y) <= theta, times y:  b*x - (theta - s - a)*y <= 0, c*x - (theta - s)*y <= 0.
+    rows = np.vstack([np.hstack([-np.diag(theta - self.recv - self.a), np.diag(self.b)]),
+                      np.hstack([-np.diag(theta - self.recv), np.diag(self.c)])])
+    cons = self.base + [LinearConstraint(rows, -np.inf, 0)]
+    if math.isfinite(price_cap):
+      cons.append(LinearConstraint(np.r_[self.price, np.zeros(k)][None], -np.inf, price_cap))
+    y_max = np.where(theta - self.recv - self.a > 0, self.y_max, 0)
+    res = milp(np.r_[self.price, np.zeros(k)], constraints=cons, integrality=np.ones(2 * k),
+               bounds=Bounds(np.zeros(2 * k), np.r_[y_max, np.full(k, self.B)]))
+    if res.x is None:
+      return None
+    return [int(round(v)) for v in res.x[:k]]
+
+  def min_makespan(self, price_cap=math.inf):
+    """Bisect Theta (geometrically) to within BISECT_TOL; returns (theta, y) or None."""
+    single = [o.seconds(self.B, 1) for o, p in zip(self.opts, self.price) if p <= price_cap]
+    if not single:
+      return None
+    hi, lo = min(single), self.theta_lo
+    y = self.min_price(hi, price_cap)
+    if y is None:
+      return None
+    while hi > lo * (1 + BISECT_TOL):
+      mid = math.sqrt(lo * hi)
+      got = self.min_price(mid, price_cap)
+      if got is None:
+        lo = mid
+      else:
+        hi, y = mid, got
+    return hi, y
+
+
+# ---------------------------------------------------------------- searches
+
+def better(a: Plan, b, objective) -> bool:
+  """Throughput: more tokens/s, then cheaper. Cost: fewer $/M tokens, then more tokens/s."""
+  if b is None:
+    return True
+  if objective == "throughput":
+    first, second = (b.gen_tokens_per_s, a.gen_tokens_per_s), (a.price_per_hour, b.price_per_hour)
+  else:
+    first, second = (a.usd_per_mtok, b.usd_per_mtok), (b.gen_tokens_per_s, a.gen_tokens_per_s)
+  for lo, hi in (first, second):
+    if lo < hi * (1 - REL_EQ) - 1e-12:
+      return True
+    if lo > hi * (1 + REL_EQ) + 1e-12:
+      return False
+  return sum(a.rollout_devices.values()) < sum(b.rollout_devices.values())
+
+
+def plan(model_cfg, cluster: Cluster, objective="throughput", min_throughput=0.0, name="model") -> Plan:
+  """The planner: best plan for `objective`; raises PlanError when nothing is feasible."""
+  if objective not in OBJECTIVES:
+    raise PlanError(f"objective '{objective}' unknown; use one of {OBJECTIVES}")
+  p = Problem(model_cfg, cluster, name)
+  w, best, best_any = p.w, None, None
+  for train, limits in p.splits():
+    opts = p.options(train, limits)
+    if not opts:
+      continue
+    milp_ = RolloutMILP(opts, limits, w.sequences)
+    search = _throughput_search if objective == "throughput" else _cost_search
+    for cand in search(p, train, milp_, opts, best, min_throughput):
+      if better(cand, best_any, "throughput"):
+        best_any = cand
+      if cand.gen_tokens_per_s >= min_throughput * (1 - REL_EQ) and better(cand, best, objective):
+        best = cand
+  if best is None:
+    if best_any is not None:
+      raise PlanError(f"no allocation reaches --min-throughput {min_throughput:g} tokens/s "
+                      f"(the fastest makes {best_any.gen_tokens_per_s:.0f}); lower it or add devices")
+    p.check_feasible()
+  return best
+
+
+def _step_for(p, train, theta):
+  rollout = theta + p.w.reward_s
+  return max(train.step_s, rollout) if p.w.eta > 0 else train.step_s + rollout
+
+
+def _throughput_search(p, train, milp_, opts, best, _min_throughput):
+  w = p.w
+  bound = w.sequences * w.output_mean / _step_for(p, train, milp_.theta_lo)
+  if best is not None and bound < best.gen_tokens_per_s * (1 - REL_EQ):
+    return  # even a perfect rollout side cannot beat the best split found so far
+  if w.eta > 0:
+    # Train-bound if the rollout can keep up with the trainer: then the cheapest such set.
+    y = milp_.min_price(train.step_s - w.reward_s)
+    if y is not None:
+      yield p.evaluate("throughput", train, list(zip(opts, y)))
+      return
+  _, y = milp_.min_makespan()
+  yield p.evaluate("throughput", train, list(zip(opts, y)))
+
+
+def _cost_floor(p, train, opts, theta_from):
+  """A lower bound on $/M tokens over rollout sets with makespan >= theta_from.
+
+  Any set finishing B sequences by Theta holds sum(y/c) >= B / (Theta - s_min) replicas' worth
+  of saturated rate, so it costs at least rho * B / (Theta - s_min) with rho the cheapest
+  price * seconds-per-sequence; minimised over Theta at the region edges and the stationary point.
+  """
+  w = p.w
+  rho = min(o.price_per_hour * o.coeffs[2] for o in opts)
+  s = min(o.recv_s for o in opts)
+  k = rho * w.sequences
+  points = [theta_from, train.step_s - w.reward_s]
+  if train.price_per_hour > 0 and k > 0:
+    points.append(s + math.sqrt(k * (w.reward_s + s) / train.price_per_hour))
+  tokens = w.sequences * w.output_mean
+  return min((train.price_per_hour + k / (t - s)) * _step_for(p, train, t) / 3600 / tokens * 1e6
+             for t in points if t >= theta_from and t > s)
+
+
+def _cost_search(p, train, milp_, opts, best, min_throughput):
+  """Walk the rollout side's price/makespan frontier from fastest to cheaper, up to COST_LEVELS.
+
+  At each price cap: the fastest makespan Theta_k under the cap, then the cheapest set that is
+  no slower than what the step needs (at least Theta_k, at most the trainer's pace). The next
+  cap is strictly below that set's price. Stops early when a lower bound on any cheaper set
+  cannot beat the best plan, or the throughput floor is crossed.
+  """
+  w = p.w
+  tokens = w.sequences * w.output_mean
+  max_step = tokens / min_throughput if min_throughput > 0 else math.inf
+  if best is not None and _cost_floor(p, train, opts, milp_.theta_lo) > best.usd_per_mtok * (1 + REL_EQ):
+    return
+  cap = math.inf
+  for _ in range(COST_LEVELS):
+    found = milp_.min_makespan(cap)
+    if found is None:
+      return
+    theta, fastest = found
+    step = _step_for(p, train, theta)
+    if step > max_step * (1 + BISECT_TOL):
+      if math.isinf(cap):  # below the floor even at full speed: report it, so the error can say so
+        yield p.evaluate("cost", train, list(zip(opts, fastest)))
+      return
+    if best is not None and _cost_floor(p, train, opts, theta) > best.usd_per_mtok * (1 + REL_EQ):
+      return
+    target = theta
+    if w.eta > 0:
+      target = max(theta, min(train.step_s, max_step) - w.reward_s)
+    y = milp_.min_price(target, cap)
+    cand = p.evaluate("cost", train, list(zip(opts, y)))
+    yield cand
+    if best is None or better(cand, best, "cost"):
+      best = cand
+    cap = cand.price_per_hour - train.price_per_hour - PRICE_STEP
+
+
+def exhaustive_plan(model_cfg, cluster: Cluster, objective="throughput", min_throughput=0.0, name="model"):
+  """Reference search for small clusters: every split and every replica multiset, no MILP."""
+  p = Problem(model_cfg, cluster, name)
+  best = None
+  for train, limits in p.splits():
+    opts = p.options(train, limits)
+    per_type = [_type_vectors([o for o in opts if o.replica.device_type == k], limits[k]) for k in limits]
+    for combo in itertools.product(*per_type):
+      counts = [pair for part in combo for pair in part]
+      if sum(y for _, y in counts) == 0:
+        continue
+      cand = p.evaluate(objective, train, counts)
+      if cand.gen_tokens_per_s >= min_throughput * (1 - REL_EQ) and better(cand, best, objective):
+        best = cand
+  if best is None:
+    p.check_feasible()
+  return best
+
+
+def _type_vectors(opts, limit):
+  """All [(option, y)] lists for one device type using at most `limit` chips."""
+  if not opts:
+    yield []
+    return
+  head, rest = opts[0], opts[1:]
+  for y in range(limit // head.replica.tensor + 1):
+    for tail in _type_vectors(rest, limit - y * head.replica.tensor):
+      yield [(head, y)] + tail
+
+
+def homogeneous_alternatives(model_cfg, cluster: Cluster, budget_per_hour, objective="throughput",
+                             min_throughput=0.0, name="model"):
+  """For each type in the cluster: the plan on as many of that chip as `budget_per_hour` buys.
+
+  Returns {type: (count, Plan or PlanError)}; types priced at 0 keep their cluster count.
+  """
+  out = {}
+  for kind, have in cluster.counts.items():
+    price = cluster.catalog[kind].price_per_hour
+    count = int(budget_per_hour // price + 1e-9) if price > 0 else have
+    if count < 2:
+      out[kind] = (count, PlanError(f"the budget buys {count} {kind}; two pools need at least 2 chips"))
+      continue
+    solo = dataclasses.replace(cluster, counts={kind: count})
+    try:
+      out[kind] = (count, plan(model_cfg, solo, objective, min_throughput, name))
+    except PlanError as e:
+      out[kind] = (count, e)
+  return out

@@ -1,0 +1,119 @@
+"""Calibration: fit each device type's efficiency factors to measured runs; report prediction error.
+
+Measured-run JSON (one record, a list of records, or {"records": [...]} per file):
+
+  {"pool": "train", "device_type": "cpu", "devices": 4, "mesh": {"fsdp": 2, "tensor": 2},
+   "model": {...model_config fields...} or "tiny", "seq_len": 64, "tokens_per_step": 8192,
+   "tokens_per_s": 51000.0}
+  {"pool": "rollout", "device_type": "cpu", "devices": 4, "mesh": {"data": 2, "tensor": 2},
+   "model": ..., "batch": 32, "context": 40, "decode_tokens_per_s": 30000.0}
+
+`batch` is the sequences one replica decodes together, `context` their mean length during the
+measurement; `decode_tokens_per_s` is summed over the pool's `data` replicas.
+
+The cost model predicts time = roofline / efficiency + comm + overhead, linear in
+(1/efficiency, overhead), so both are fitted per device type and pool by non-negative least
+squares on relative error. With one distinct operating point only the efficiency is fitted.
+"""
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+from scipy.optimize import nnls
+
+from jaxrl_hex.models.config import model_config
+from jaxrl_hex.planner import PlanError
+from jaxrl_hex.planner import cost_model as cm
+
+FIELDS = {
+    "train": ("device_type", "devices", "mesh", "model", "seq_len", "tokens_per_step", "tokens_per_s"),
+    "rollout": ("device_type", "devices", "mesh", "model", "batch", "context", "decode_tokens_per_s"),
+}
+# (efficiency field, overhead field) in the catalog for each pool.
+FACTORS = {"train": ("train_mfu", "train_overhead_s"), "rollout": ("rollout_eff", "decode_overhead_s")}
+
+
+def load_measurements(paths) -> list:
+  records = []
+  for path in paths:
+    try:
+      data = json.loads(pathlib.Path(path).read_text())
+    except FileNotFoundError:
+      raise PlanError(f"measurement file {path} not found") from None
+    except json.JSONDecodeError as e:
+      raise PlanError(f"measurement file {path} is not valid JSON ({e})") from None
+    data = data.get("records", data) if isinstance(data, dict) else data
+    for i, rec in enumerate(data if isinstance(data, list) else [data]):
+      records.append(_check(rec, f"{path}[{i}]"))
+  return records
+
+
+def _check(rec, where):
+  pool = rec.get("pool") if isinstance(rec, dict) else None
+  if pool not in FIELDS:
+    raise PlanError(f"{where}: 'pool' must be 'train' or 'rollout'")
+  missing = [f for f in FIELDS[pool] if f not in rec]
+  if missing:
+    raise PlanError(f"{where}: {pool} record missing field(s) {missing}")
+  return rec
+
+
+def _model(spec):
+  if isinstance(spec, str):
+    from jaxrl_hex.planner.command import load_model  # only for records that name a config file
+    return cm.ModelCost.from_config(load_model(spec)[1])
+  return cm.ModelCost.from_config(model_config(**spec))
+
+
+def predict(rec, dev):
+  """(measured seconds, predicted TimeParts) of the record's step on catalog device `dev`."""
+  m, mesh = _model(rec["model"]), rec["mesh"]
+  if rec["pool"] == "train":
+    layout = cm.TrainLayout(mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("tensor", 1))
+    if layout.devices != rec["devices"]:
+      raise PlanError(f"train record on {rec['devices']} devices has mesh {mesh} of {layout.devices}")
+    return (rec["tokens_per_step"] / rec["tokens_per_s"],
+            cm.train_time(m, dev, layout, rec["tokens_per_step"], rec["seq_len"]))
+  tensor, replicas = mesh.get("tensor", 1), mesh.get("data", 1)
+  if tensor * replicas != rec["devices"]:
+    raise PlanError(f"rollout record on {rec['devices']} devices has mesh {mesh} of {tensor * replicas}")
+  per_replica = rec["decode_tokens_per_s"] / replicas
+  return rec["batch"] / per_replica, cm.decode_time(m, dev, tensor, rec["batch"], rec["context"])
+
+
+def calibrate(records, catalog) -> tuple:
+  """Fit factors; returns (catalog overlay {"devices": {type: {field: value}}}, per-record report)."""
+  overlay = {}
+  groups = {}
+  for rec in records:
+    if rec["device_type"] not in catalog:
+      raise PlanError(f"measured record: unknown device_type '{rec['device_type']}'; add it to the catalog")
+    groups.setdefault((rec["device_type"], rec["pool"]), []).append(rec)
+  for (kind, pool), recs in groups.items():
+    dev = catalog[kind]
+    rows = [predict(r, dev) for r in recs]
+    measured = np.array([t for t, _ in rows])
+    roofline = np.array([p.roofline_s for _, p in rows])
+    target = (measured - np.array([p.comm_s for _, p in rows])) / measured
+    eff_field, over_field = FACTORS[pool]
+    if len(set(np.round(roofline, 15))) > 1:
+      a, b = np.column_stack([roofline / measured, 1 / measured]), target
+      (inv_eff, overhead), _ = nnls(a, b)
+    else:  # one operating point: keep the catalog's overhead, fit the efficiency alone
+      overhead = getattr(dev, over_field)
+      inv_eff = max(np.mean((target - overhead / measured) * measured / roofline), 0.0)
+    overlay[kind] = dict(overlay.get(kind, {}), **{eff_field: float(1 / max(inv_eff, 1e-9)),
+                                                   over_field: float(overhead)})
+  report = []
+  for rec in records:
+    dev = catalog[rec["device_type"]]
+    fitted = dataclasses.replace(dev, **overlay[rec["device_type"]])
+    measured, before = predict(rec, dev)
+    after = predict(rec, fitted)[1]
+    report.append({"pool": rec["pool"], "device_type": rec["device_type"], "devices": rec["devices"],
+                   "mesh": rec["mesh"], "measured_s": measured, "predicted_before_s": before.total_s,
+                   "predicted_after_s": after.total_s,
+                   "error_before": abs(before.total_s - measured) / measured,
+                   "error_after": abs(after.total_s - measured) / measured})
+  return {"devices": overlay}, report

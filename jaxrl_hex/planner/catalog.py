@@ -1,0 +1,122 @@
+"""Device catalog: per-chip speeds, memory, links and prices, from catalog.yaml plus overlays."""
+import dataclasses
+import pathlib
+
+import yaml
+
+from jaxrl_hex.planner import PlanError
+
+CATALOG_PATH = pathlib.Path(__file__).with_name("catalog.yaml")
+
+# What each required field means, so a missing one can be reported with its fix.
+SPEC_FIELDS = {
+    "platform": "tpu, gpu or cpu",
+    "bf16_tflops": "dense bf16 peak per chip, TFLOP/s",
+    "hbm_gb": "accelerator memory per chip, GB",
+    "hbm_gb_s": "memory bandwidth per chip, GB/s",
+    "link_gb_s": "NVLink/ICI bandwidth per chip, GB/s one direction",
+    "host_net_gb_s": "the chip's share of host network bandwidth, GB/s",
+    "price_per_hour": "USD per chip-hour",
+    "chips_per_host": "chips in one host",
+}
+EFFICIENCY_FIELDS = ("train_mfu", "rollout_eff", "train_overhead_s", "decode_overhead_s")
+PLATFORMS = ("tpu", "gpu", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  name: str
+  platform: str
+  bf16_tflops: float
+  hbm_gb: float
+  hbm_gb_s: float
+  link_gb_s: float
+  host_net_gb_s: float
+  price_per_hour: float
+  chips_per_host: int
+  train_mfu: float
+  rollout_eff: float
+  train_overhead_s: float
+  decode_overhead_s: float
+
+  @property
+  def flops(self) -> float:
+    return self.bf16_tflops * 1e12
+
+  @property
+  def hbm_bytes(self) -> float:
+    return self.hbm_gb * 1e9
+
+  @property
+  def hbm_bw(self) -> float:
+    return self.hbm_gb_s * 1e9
+
+  def group_bw(self, group: int) -> float:
+    """Bytes/s per chip for a collective over `group` consecutive chips of this type.
+
+    A TPU slice is one ICI fabric, so any group rides ICI; GPU groups leave NVLink once
+    they span more than one host.
+    """
+    if self.platform != "gpu" or group <= self.chips_per_host:
+      return self.link_gb_s * 1e9
+    return self.host_net_gb_s * 1e9
+
+
+def _read_yaml(path) -> dict:
+  try:
+    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+  except FileNotFoundError:
+    raise PlanError(f"catalog file {path} not found; pass an existing YAML path") from None
+  except yaml.YAMLError as e:
+    raise PlanError(f"catalog file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+  if not isinstance(data, dict) or not isinstance(data.get("devices", {}), dict):
+    raise PlanError(f"catalog file {path}: expected a mapping with a `devices:` mapping of entries")
+  return data
+
+
+def load_catalog(extra=None, prices=None) -> dict:
+  """Built-in catalog, then `extra` YAML (same shape; overrides fields or adds entries), then prices.
+
+  Returns {name: Device}. Raises PlanError naming the entry and field when one is incomplete.
+  """
+  sources = [(CATALOG_PATH, _read_yaml(CATALOG_PATH))]
+  if extra:
+    sources.append((pathlib.Path(extra), _read_yaml(extra)))
+  defaults, entries, origin = {}, {}, {}
+  for path, data in sources:
+    defaults.update(data.get("defaults") or {})
+    for name, fields in data["devices"].items():
+      if not isinstance(fields, dict):
+        raise PlanError(f"catalog entry '{name}' in {path}: expected a mapping of fields")
+      entries.setdefault(str(name), {}).update(fields)
+      origin[str(name)] = path
+  for name, price in (prices or {}).items():
+    if name not in entries:
+      raise PlanError(f"prices: unknown device type '{name}'; known: {', '.join(entries)}")
+    entries[name]["price_per_hour"] = price
+  return {name: _device(name, dict(defaults, **fields), origin[name]) for name, fields in entries.items()}
+
+
+def _device(name, fields, path) -> Device:
+  for field, meaning in list(SPEC_FIELDS.items()) + [(f, "efficiency factor") for f in EFFICIENCY_FIELDS]:
+    if field not in fields:
+      raise PlanError(f"catalog entry '{name}' in {path}: missing field '{field}' ({meaning}); add it to the entry")
+  unknown = set(fields) - set(SPEC_FIELDS) - set(EFFICIENCY_FIELDS)
+  if unknown:
+    raise PlanError(f"catalog entry '{name}' in {path}: unknown field(s) {sorted(unknown)}; "
+                    f"known: {sorted(SPEC_FIELDS) + list(EFFICIENCY_FIELDS)}")
+  if fields["platform"] not in PLATFORMS:
+    raise PlanError(f"catalog entry '{name}' in {path}: platform '{fields['platform']}' must be one of {PLATFORMS}")
+  values = {"name": name, "platform": fields["platform"]}
+  for field in list(SPEC_FIELDS)[1:] + list(EFFICIENCY_FIELDS):
+    try:
+      values[field] = float(fields[field])
+    except (TypeError, ValueError):
+      raise PlanError(f"catalog entry '{name}' in {path}: field '{field}' must be a number, "
+                      f"got {fields[field]!r}") from None
+    positive = field not in ("price_per_hour", "train_overhead_s", "decode_overhead_s")
+    if values[field] < 0 or (positive and values[field] == 0):
+      raise PlanError(f"catalog entry '{name}' in {path}: field '{field}' must be "
+                      f"{'> 0' if positive else '>= 0'}, got {fields[field]!r}")
+  values["chips_per_host"] = int(values["chips_per_host"])
+  return Device(**values)

@@ -1,0 +1,297 @@
+"""Analytic cost model: train step, rollout replica, memory and weight-sync times for one model.
+
+Every time is split into a roofline part (at efficiency 1), a communication part and a fixed
+overhead, so calibration can fit the efficiency factors against measured runs linearly.
+"""
+import dataclasses
+import math
+
+from jaxrl_hex.models.config import kv_bytes_per_token, param_count
+from jaxrl_hex.planner import PlanError
+
+# Fraction of HBM the planner fills: the rest is XLA scratch, fragmentation and runtime buffers.
+MEMORY_HEADROOM = 0.9
+# Adam keeps two moments in float32 next to params and grads (in param dtype).
+ADAM_MOMENT_BYTES = 8
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+OUTPUT_DISTS = ("fixed", "lognormal", "uniform")
+
+
+def dtype_bytes(name) -> int:
+  if name not in DTYPE_BYTES:
+    raise PlanError(f"model config: dtype '{name}' unknown to the planner; use one of {sorted(DTYPE_BYTES)}")
+  return DTYPE_BYTES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """One RL step: batch_size prompts x group_size samples, and the async-loop knobs."""
+  batch_size: int = 64          # prompts per trainer step
+  group_size: int = 8           # samples per prompt (GRPO group)
+  prompt_len: int = 1024
+  output_mean: float = 4096.0   # mean generated tokens per sample
+  output_max: int = 16384       # a KV slot must hold prompt + output_max
+  output_dist: str = "lognormal"  # fixed | lognormal | uniform; shapes the simulator's lengths
+  output_sigma: float = 0.6     # lognormal shape
+  eta: int = 4                  # max staleness; 0 = synchronous
+  reward_s: float = 1.0         # reward computation per step, a constant
+  max_concurrency: int = 256    # the engine's cap on sequences decoded together per replica
+
+  @property
+  def sequences(self) -> int:
+    return self.batch_size * self.group_size
+
+  @property
+  def trained_tokens(self) -> float:
+    return self.sequences * (self.prompt_len + self.output_mean)
+
+  @classmethod
+  def from_dict(cls, d, where="workload") -> "Workload":
+    d = dict(d or {})
+    out = d.pop("output_len", None)
+    if isinstance(out, dict):  # output_len: {mean, max, dist, sigma}
+      for key in ("mean", "max", "dist", "sigma"):
+        if key in out:
+          d[f"output_{key}"] = out.pop(key)
+      if out:
+        raise PlanError(f"{where}.output_len: unknown key(s) {sorted(out)}; use mean, max, dist, sigma")
+    elif out is not None:
+      d["output_mean"] = out
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(d) - set(fields)
+    if unknown:
+      raise PlanError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(fields)} (or output_len)")
+    try:
+      w = cls(**{k: type(fields[k].default)(v) for k, v in d.items()})
+    except (TypeError, ValueError) as e:
+      raise PlanError(f"{where}: bad value ({e})") from None
+    if w.output_dist not in OUTPUT_DISTS:
+      raise PlanError(f"{where}.output_len.dist: '{w.output_dist}' must be one of {OUTPUT_DISTS}")
+    if min(w.batch_size, w.group_size, w.prompt_len, w.output_mean, w.max_concurrency) <= 0 or w.eta < 0:
+      raise PlanError(f"{where}: sizes must be positive and eta >= 0")
+    if w.output_max < w.output_mean:
+      raise PlanError(f"{where}.output_len: max {w.output_max} is below mean {w.output_mean}; raise max")
+    return w
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+  """The shape facts the cost model needs, derived once from a model config."""
+  params: int
+  weight_bytes: float   # all parameters in param dtype
+  kv_bytes_token: int   # KV cache per token over all layers
+  act_bytes: int        # activation dtype size
+  n_layers: int
+  d_model: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  vocab: int
+
+  @classmethod
+  def from_config(cls, cfg) -> "ModelCost":
+    act = dtype_bytes(cfg.dtype)
+    p = param_count(cfg)
+    return cls(params=p, weight_bytes=p * dtype_bytes(cfg.param_dtype), kv_bytes_token=kv_bytes_per_token(cfg, act),
+               act_bytes=act, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
+               n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, vocab=cfg.vocab_size)
+
+  def attn_flops(self, tokens, context) -> float:
+    """Forward attention-score FLOPs (QK^T and AV) for `tokens` each attending `context` keys."""
+    return 4.0 * self.n_layers * self.n_heads * self.head_dim * tokens * context
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeParts:
+  roofline_s: float   # at efficiency 1
+  comm_s: float
+  efficiency: float
+  overhead_s: float
+
+  @property
+  def total_s(self) -> float:
+    return self.roofline_s / self.efficiency + self.comm_s + self.overhead_s
+
+
+def _collective_bytes(payload, group) -> float:
+  """Per-chip traffic of a ring all-gather or reduce-scatter of `payload` bytes over `group` chips."""
+  return payload * (group - 1) / group
+
+
+# ---------------------------------------------------------------- training
+
+@dataclasses.dataclass(frozen=True)
+class TrainLayout:
+  data: int
+  fsdp: int
+  tensor: int
+
+  @property
+  def devices(self) -> int:
+    return self.data * self.fsdp * self.tensor
+
+  def mesh(self) -> dict:
+    return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int) -> float:
+  """Peak bytes per chip: sharded params+grads+Adam, plus one sequence's activations (remat)."""
+  state = m.params * (2 * m.weight_bytes / m.params + ADAM_MOMENT_BYTES) / (layout.fsdp * layout.tensor)
+  # Rematerialised layers keep one residual per layer per token, plus one layer's working
+  # set and float32 logits (vocab sharded over tensor) for the micro-batch of one sequence.
+  per_token = (m.n_layers * m.d_model + 4 * m.d_model + 3 * m.mlp_dim / layout.tensor) * m.act_bytes
+  per_token += 4 * m.vocab / layout.tensor
+  return state + seq_len * per_token
+
+
+def train_time(m: ModelCost, dev, layout: TrainLayout, tokens: float, seq_len: int) -> TimeParts:
+  """One trainer step over `tokens` tokens in sequences of `seq_len`.
+
+  FLOPs per token: 6N for forward+backward plus 2N for the proximal-logprob forward pass the
+  decoupled PPO loss needs, plus causal attention for each of those passes.
+  """
+  n = layout.devices
+  flops = tokens * 8.0 * m.params + 4 * m.attn_flops(tokens, seq_len / 2)
+  roofline = flops / (n * dev.flops)
+  t, f, d = layout.tensor, layout.fsdp, layout.data
+  shard = m.weight_bytes / t
+  # FSDP: gather params for forward and backward, reduce-scatter grads (once per step:
+  # micro-batches reuse the gathered layer); data parallel: all-reduce the grad shards.
+  comm = 3 * _collective_bytes(shard, f) / dev.group_bw(f * t)
+  comm += 2 * _collective_bytes(shard / f, d) / dev.group_bw(n)
+  # Tensor parallel: 2 activation all-reduces per layer in each of forward, backward and
+  # the proximal forward, over the tokens this tensor group processes.
+  act = tokens / (d * f) * m.d_model * m.act_bytes
+  comm += 6 * m.n_layers * 2 * _collective_bytes(act, t) / dev.group_bw(t)
+  return TimeParts(roofline, comm, dev.train_mfu, dev.train_overhead_s)
+
+
+def train_layouts(m: ModelCost, dev, n: int, seq_len: int):
+  """Layouts of n chips that fit in memory; tensor stays inside a host and divides the heads."""
+  usable = MEMORY_HEADROOM * dev.hbm_bytes
+  for t in _divisors(n):
+    if t > dev.chips_per_host or m.n_heads % t:
+      continue
+    for f in _divisors(n // t):
+      layout = TrainLayout(n // (t * f), f, t)
+      if train_memory(m, layout, seq_len) <= usable:
+        yield layout
+
+
+def _divisors(n):
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+# ---------------------------------------------------------------- rollout
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+  """One inference replica: `tensor` chips of one type serving up to `slots` sequences at once.
+
+  A decode step over c running sequences takes step_fixed_s + step_per_seq_s * c (the chord
+  of decode_time between c = 1 and c = slots: weights read once, KV read per sequence).
+  """
+  device_type: str
+  tensor: int
+  slots: int
+  prefill: TimeParts       # one prompt; it stalls the replica's decoding
+  step_fixed_s: float
+  step_per_seq_s: float
+
+  def load_coeffs(self, w: Workload):
+    """(a, b, c) with: time for one replica to generate n sequences of one step = max(a + b*n, c*n).
+
+    The staleness gate lets about eta + 1 steps of sequences be in flight, so a replica given n
+    per step runs c(n) = min(slots, (eta + 1) * n) at once; each sequence costs its prefill and
+    output_mean decode steps of (fixed + per_seq * c) / c of the replica. Below saturation the
+    weight read is shared by few sequences (the `a` term); at saturation it is spread over slots.
+    """
+    length, inflight = w.output_mean, w.eta + 1
+    a = length * self.step_fixed_s / inflight
+    b = self.prefill.total_s + length * self.step_per_seq_s
+    c = self.prefill.total_s + length * (self.step_fixed_s / self.slots + self.step_per_seq_s)
+    return a, b, c
+
+  def tokens_per_s(self, w: Workload) -> float:
+    """Generated tokens/s with every slot busy."""
+    return w.output_mean / self.load_coeffs(w)[2]
+
+
+def _kv_per_chip(m: ModelCost, tensor: int) -> float:
+  # KV heads shard over tensor; past n_kv_heads they are replicated.
+  return m.kv_bytes_token / min(tensor, m.n_kv_heads)
+
+
+def kv_capacity(m: ModelCost, dev, tensor: int) -> float:
+  """Bytes per chip left for KV cache after the weight shard."""
+  return MEMORY_HEADROOM * dev.hbm_bytes - m.weight_bytes / tensor
+
+
+def decode_time(m: ModelCost, dev, tensor: int, batch: int, context: float) -> TimeParts:
+  """One decode step of `batch` sequences at mean `context`: weights plus KV read over HBM,
+  or the FLOPs if those dominate, plus 2 tensor all-reduces per layer."""
+  read = m.weight_bytes / tensor + batch * context * _kv_per_chip(m, tensor)
+  flops = (2.0 * m.params * batch + m.attn_flops(batch, context)) / tensor
+  roofline = max(read / dev.hbm_bw, flops / dev.flops)
+  act = batch * m.d_model * m.act_bytes
+  comm = 2 * m.n_layers * 2 * _collective_bytes(act, tensor) / dev.group_bw(tensor)
+  return TimeParts(roofline, comm, dev.rollout_eff, dev.decode_overhead_s)
+
+
+def prefill_time(m: ModelCost, dev, tensor: int, prompt_len: int) -> TimeParts:
+  """One prompt's prefill: compute bound (weights are read once for the whole prompt)."""
+  flops = (2.0 * m.params * prompt_len + m.attn_flops(prompt_len, prompt_len / 2)) / tensor
+  roofline = max(flops / dev.flops, m.weight_bytes / tensor / dev.hbm_bw)
+  act = prompt_len * m.d_model * m.act_bytes
+  comm = 2 * m.n_layers * 2 * _collective_bytes(act, tensor) / dev.group_bw(tensor)
+  return TimeParts(roofline, comm, dev.rollout_eff, dev.decode_overhead_s)
+
+
+def replica(m: ModelCost, dev, tensor: int, w: Workload):
+  """The replica of `tensor` chips of `dev`, or None when one max-length sequence does not fit.
+
+  Slots are sized for mean-length sequences (paged KV pays for tokens actually held), while
+  feasibility demands room for one sequence of prompt + output_max.
+  """
+  if m.n_heads % tensor or tensor > dev.chips_per_host:
+    return None
+  room = kv_capacity(m, dev, tensor)
+  kv = _kv_per_chip(m, tensor)
+  if room < kv * (w.prompt_len + w.output_max):
+    return None
+  slots = int(min(w.max_concurrency, room // (kv * (w.prompt_len + w.output_mean))))
+  slots = max(slots, 1)
+  context = w.prompt_len + w.output_mean / 2  # a running sequence is half-way on average
+  one, full = (decode_time(m, dev, tensor, c, context).total_s for c in (1, slots))
+  per_seq = (full - one) / (slots - 1) if slots > 1 else 0.0
+  return Replica(dev.name, tensor, slots, prefill_time(m, dev, tensor, w.prompt_len), one - per_seq, per_seq)
+
+
+def tensor_degrees(dev):
+  """TP degrees a replica may use on this device: powers of two inside one host."""
+  return [2 ** k for k in range(int(math.log2(dev.chips_per_host)) + 1)]
+
+
+# ---------------------------------------------------------------- weight sync
+
+def sync_bw(src, dst, same_fabric: bool) -> float:
+  """Bytes/s per chip between a train chip of `src` and a rollout chip of `dst`.
+
+  Chips of one type on one fabric (a TPU slice, or one GPU host) use the fast link;
+  everything else, TPU<->GPU and across GPU generations included, goes over the host network.
+  """
+  if src.name == dst.name and same_fabric:
+    return src.link_gb_s * 1e9
+  return min(src.host_net_gb_s, dst.host_net_gb_s) * 1e9
+
+
+def sync_send_time(m: ModelCost, n_train: int, bw: float) -> float:
+  """Trainer side of a weight sync: the pool pushes one full copy out at its aggregate bandwidth
+  (replicas relay it onward, so more replicas do not add to the sender's share)."""
+  return m.weight_bytes / (n_train * bw)
+
+
+def sync_recv_time(m: ModelCost, tensor: int, bw: float) -> float:
+  """Rollout side: each replica chip takes its 1/tensor shard of the weights, pausing generation."""
+  return m.weight_bytes / tensor / bw

@@ -1,0 +1,135 @@
+"""jaxrl-hex generate: sample completions from a run's checkpoint for a JSONL file of prompts.
+
+  jaxrl-hex generate --workdir=runs/demo --prompts=prompts.jsonl --out=results.jsonl --samples=4
+
+Each prompt line is {"prompt": str} with optional "id", "n" (samples), "max_tokens", "stop"
+(strings). Each result line is one sample: id, sample index, completion text, finish_reason
+(eos | stop | length), truncated, tokens, logprobs and the policy version. The throughput
+summary (one JSON object) goes to stdout.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+FLAGS = {  # flag -> config.rollout field
+    "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
+    "slots": int, "max_prompt_len": int, "steps_per_sync": int, "memory_budget_gb": float,
+}
+
+
+def _parser():
+  ap = argparse.ArgumentParser(prog="jaxrl-hex generate", description=__doc__.splitlines()[0])
+  ap.add_argument("--workdir", required=True, help="a train or sft run (its config.json and checkpoints/)")
+  ap.add_argument("--prompts", required=True, help="JSONL file, one {\"prompt\": ...} per line")
+  ap.add_argument("--out", required=True, help="JSONL file to write, one line per sample")
+  ap.add_argument("--samples", type=int, default=1, help="samples per prompt unless a line sets \"n\"")
+  ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+  ap.add_argument("--greedy", action="store_true")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  for name, kind in FLAGS.items():
+    ap.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"overrides rollout.{name}")
+  return ap
+
+
+def _read_prompts(path, samples):
+  from jaxrl_hex.errors import UserError
+  from jaxrl_hex.rollout.engine import Request
+  if not os.path.exists(path):
+    raise UserError(f"--prompts: {path!r} does not exist")
+  requests = []
+  with open(path) as f:
+    for i, line in enumerate(f):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+        requests.append(Request(row["prompt"], n=int(row.get("n", samples)), max_tokens=row.get("max_tokens"),
+                                stop=tuple(row.get("stop", ())), id=row.get("id", i)))
+      except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--prompts: line {i + 1} of {path} is not {{\"prompt\": str, ...}} JSON ({e})") from None
+  return requests
+
+
+def _load_config(workdir):
+  import ml_collections
+
+  from jaxrl_hex.config import base_config
+  from jaxrl_hex.errors import UserError
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise UserError(f"--workdir: {path} does not exist; point --workdir at a train or sft run")
+  with open(path) as f:
+    cfg = ml_collections.ConfigDict(json.load(f))
+  for key, value in base_config().rollout.items():  # runs saved before a field existed
+    if key not in cfg.rollout:
+      cfg.rollout[key] = value
+  return cfg
+
+
+def generate(args) -> dict:
+  import jax
+
+  from jaxrl_hex.checkpoint import Checkpointer
+  from jaxrl_hex.metrics import Progress
+  from jaxrl_hex.rollout.engine import Engine, engine_options
+  from jaxrl_hex.runtime import build_runtime, load_mesh
+  cfg = _load_config(args.workdir)
+  for name in FLAGS:
+    if getattr(args, name) is not None:
+      cfg.rollout[name] = getattr(args, name)
+  cfg.rollout.stop = list(cfg.rollout.stop) + args.stop
+  mesh_file = load_mesh(cfg)
+  if mesh_file.platform == "cpu" and mesh_file.num_devices:
+    from jaxrl_hex.meshes import prepare_cpu_devices
+    prepare_cpu_devices(mesh_file.num_devices)
+  requests = _read_prompts(args.prompts, args.samples)
+  rt = build_runtime(cfg)
+  pool, r = rt.pools["rollout"], cfg.rollout
+  engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
+                  **engine_options(r))
+  like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      rt.policy.shapes(), engine.param_shardings)
+  restored, meta = Checkpointer(os.path.join(args.workdir, "checkpoints")).restore({"params": like}, args.step)
+  engine.load_weights(int(meta.get("policy_version", 0)), restored["params"])
+  engine.rng = jax.random.key(args.seed)
+  engine.greedy = args.greedy
+  prompts = {r.id: r.prompt for r in requests}
+  total = sum(r.n for r in requests)
+  progress = Progress("generate", total, max(total // 20, 1), stream=sys.stderr, unit="sample")  # stdout: the summary JSON
+  t0 = time.perf_counter()
+  engine.submit(requests)
+  n_samples = new_tokens = 0
+  with open(args.out, "w") as out:
+    while engine.pending:
+      progress.update(n_samples, {"rollout_tokens_per_s": new_tokens / max(time.perf_counter() - t0, 1e-9)})
+      for s in engine.poll():
+        n_samples += 1
+        new_tokens += len(s.tokens)
+        out.write(json.dumps({"id": s.request_id, "sample": s.index, "prompt": prompts[s.request_id],
+                              "completion": s.text, "finish_reason": s.finish_reason, "truncated": s.truncated,
+                              "tokens": s.tokens.tolist(), "logprobs": [round(x, 6) for x in s.logprobs.tolist()],
+                              "version": int(s.versions[0]) if len(s.versions) else engine.version}) + "\n")
+  seconds = time.perf_counter() - t0
+  progress.update(n_samples, {"rollout_tokens_per_s": new_tokens / max(seconds, 1e-9)})
+  progress.close()
+  run_s = max(seconds - engine.compile_seconds, 1e-9)
+  return {"requests": len(requests), "samples": n_samples, "new_tokens": new_tokens, "seconds": round(seconds, 3),
+          "compile_count": engine.compile_count, "compile_s": round(engine.compile_seconds, 3),
+          "new_tokens_per_s": round(new_tokens / run_s, 1), "decode_steps": engine.decode_steps,
+          "slot_utilization": round(new_tokens / max(engine.decode_steps * engine.num_slots, 1), 3),
+          "slots": engine.num_slots, "policy_version": engine.version, **engine.memory, "out": args.out}
+
+
+def main(argv) -> int:
+  from jaxrl_hex.errors import UserError
+  args = _parser().parse_args(argv)
+  try:
+    summary = generate(args)
+  except UserError as e:
+    print(f"jaxrl-hex: error: {e}", file=sys.stderr)
+    return 2
+  print(json.dumps(summary))
+  return 0

@@ -1,0 +1,132 @@
+"""Decode slots on device: one ring-layout KV cache shared by S slots, and the jitted steps over it.
+
+Layout. Each slot owns one row of a [S, T] cache (T = longest prompt + most new tokens). Decode
+step t writes every slot's new key/value at the same column t % T, so a single scalar
+cache_index serves all slots however long each one's sequence is. A refilled slot's prompt
+goes into the columns just before the current one (wrapping around), so a sequence spans at
+most T consecutive ring columns and never overwrites itself. Where a key sits does not matter
+to attention: RoPE is applied with the token's own position before caching, and valid [S, T]
+marks the columns of the slot's current sequence. Columns also keep their token and position,
+which is all a recompute with new weights needs.
+
+A slot feeds `pending` (first the last prompt token, then each sampled token) at position
+`pos`; its KV is not in the cache yet. So a prefill only has to cache prompt[:-1] and needs no
+logits, and the first decode step of a slot samples its first completion token.
+"""
+import jax
+import jax.numpy as jnp
+
+from jaxrl_hex.models import causal_mask, init_cache
+from jaxrl_hex.rollout.sampling import sample
+
+STATE_AXES = {  # logical axes of each state field (cache entries: batch, length, kv_heads, head_dim)
+    "valid": ("batch", "length"), "col_tok": ("batch", "length"), "col_pos": ("batch", "length"),
+    "pending": ("batch",), "pos": ("batch",), "count": ("batch",), "max_new": ("batch",), "t": (),
+}
+CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
+
+
+def init_state(cfg, slots: int, length: int, cache_dtype):
+  zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
+  return {"cache": init_cache(cfg, slots, length, cache_dtype),
+          "valid": zeros(slots, length, dt=bool), "col_tok": zeros(slots, length),
+          "col_pos": zeros(slots, length), "pending": zeros(slots), "pos": zeros(slots),
+          "count": zeros(slots), "max_new": zeros(slots), "t": jnp.int32(0)}
+
+
+def state_shardings(pool, cfg, slots: int, length: int):
+  cache = pool.sharding(CACHE_AXES, (slots, length, cfg.n_kv_heads, cfg.head_dim), "KV cache")
+  out = {k: pool.sharding(ax) for k, ax in STATE_AXES.items()}
+  out["cache"] = [(cache, cache) for _ in range(cfg.n_layers)]
+  return out
+
+
+def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new):
+  """Caches prompts once and hands each to its slots (shared group prefill).
+
+  tokens [n, Pb] right-padded prompts with lengths [n]; assignment a puts prompt src[a] into
+  slot slot_ids[a] (slot_ids == S marks padding, dropped) with a budget of max_new[a] tokens.
+  The cache rows are rebuilt by a gather over the prompt KV and a select, not a scatter
+  (XLA's scatter runs element by element on CPU).
+  """
+  n, p_len = tokens.shape
+  slots, length = state["valid"].shape
+  j = jnp.arange(p_len)
+  _, kv = policy.apply(params, tokens, jnp.broadcast_to(j, (n, p_len)), causal_mask(j[None] < lengths[:, None]),
+                       init_cache(policy.cfg, n, p_len, state["cache"][0][0].dtype), 0)
+  slot_src = jnp.full((slots,), -1, jnp.int32).at[slot_ids].set(src, mode="drop")  # [S] prompt row or -1
+  filled = slot_src >= 0
+  row = jnp.maximum(slot_src, 0)
+  cached_len = lengths[row] - 1                                           # prompt[:-1] goes in the cache
+  # ring column c of slot s holds prompt token k = c - (t - cached_len) (mod T)
+  k = (jnp.arange(length)[None] - (state["t"] - cached_len[:, None])) % length   # [S, T]
+  in_prompt = filled[:, None] & (k < cached_len[:, None])
+  k = jnp.minimum(k, p_len - 1)
+
+  def put(dest, values):  # values [n, Pb, ...] -> dest [S, T, ...] on the refilled prompt columns
+    picked = values[row[:, None], k]
+    return jnp.where(in_prompt.reshape(in_prompt.shape + (1,) * (dest.ndim - 2)), picked, dest)
+
+  def per_slot(dest, values):
+    return jnp.where(filled, values, dest)
+
+  cache = [(put(ck, pk), put(cv, pv)) for (ck, cv), (pk, pv) in zip(state["cache"], kv)]
+  budget = jnp.zeros((slots,), jnp.int32).at[slot_ids].set(max_new, mode="drop")
+  return dict(state, cache=cache, valid=jnp.where(filled[:, None], in_prompt, state["valid"]),
+              col_tok=put(state["col_tok"], tokens), col_pos=put(state["col_pos"], jnp.broadcast_to(j, (n, p_len))),
+              pending=per_slot(state["pending"], tokens[row, cached_len]), pos=per_slot(state["pos"], cached_len),
+              count=per_slot(state["count"], 0), max_new=per_slot(state["max_new"], budget))
+
+
+def decode(policy, sampling, eos_ids, max_steps, params, state, live, rng, stop_on_finish):
+  """Up to max_steps decode steps over all slots; returns early once a slot finishes and
+  `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
+
+  -> (state, live [S], tokens [K, S], logprobs [K, S], emitted [K, S] bool, steps)
+  """
+  slots, length = state["valid"].shape
+  eos = jnp.asarray(eos_ids, jnp.int32)
+
+  def body(carry):
+    i, st, live, out_tok, out_lp, out_em, _, rng = carry
+    rng, step_rng = jax.random.split(rng)
+    col = st["t"] % length
+    valid = st["valid"].at[:, col].set(True)
+    col_pos = st["col_pos"].at[:, col].set(st["pos"])
+    # key_positions: ring columns are not positions (sliding-window layers need the real distance)
+    logits, cache = policy.apply(params, st["pending"][:, None], st["pos"][:, None], valid[:, None, :],
+                                 st["cache"], col, key_positions=col_pos)
+    token, logprob = sample(logits[:, -1], step_rng, **sampling)
+    count = st["count"] + live
+    finished = live & (jnp.isin(token, eos) | (count >= st["max_new"]))
+    st = dict(st, cache=cache, valid=valid, col_tok=st["col_tok"].at[:, col].set(st["pending"]),
+              col_pos=col_pos, pending=token, pos=st["pos"] + 1,
+              count=count, t=st["t"] + 1)
+    return (i + 1, st, live & ~finished, out_tok.at[i].set(token), out_lp.at[i].set(logprob),
+            out_em.at[i].set(live), jnp.any(finished), rng)
+
+  def cond(carry):
+    i, _, live, _, _, _, any_finished, _ = carry
+    return (i < max_steps) & jnp.any(live) & ~(any_finished & stop_on_finish)
+
+  init = (jnp.int32(0), state, live, jnp.zeros((max_steps, slots), jnp.int32),
+          jnp.zeros((max_steps, slots), jnp.float32), jnp.zeros((max_steps, slots), bool),
+          jnp.bool_(False), rng)
+  steps, state, live, tokens, logprobs, emitted, _, _ = jax.lax.while_loop(cond, body, init)
+  return state, live, tokens, logprobs, emitted, steps
+
+
+def recompute(policy, params, state):
+  """Rebuilds every cached key/value with `params` from the columns' tokens and positions
+  (interruptible generation); sampled tokens and their logprobs stay as they were."""
+  valid, pos = state["valid"], state["col_pos"]
+  slots, length = valid.shape
+  # query column q sees key column k of the same sequence at an earlier or equal position
+  mask = valid[:, :, None] & valid[:, None, :] & (pos[:, None, :] <= pos[:, :, None])
+  _, cache = policy.apply(params, state["col_tok"], pos, mask,
+                          init_cache(policy.cfg, slots, length, state["cache"][0][0].dtype), 0, key_positions=pos)
+  return dict(state, cache=cache)
+
+
+def cache_bytes(cfg, slots: int, length: int, dtype) -> int:
+  return 2 * cfg.n_layers * slots * length * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize

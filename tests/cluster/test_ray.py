@@ -1,0 +1,133 @@
+"""The Ray backend on one machine: a two-process train pool (one global mesh over gloo) and
+rollout replicas in their own runtimes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_hex import cli
+from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide
+from jaxrl_hex.cluster.ray_backend import RayRolloutSide, RayTrainSide, connect
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.metrics import read_jsonl
+from jaxrl_hex.rl.batch import rl_batch
+from jaxrl_hex.runtime import build_runtime
+from jaxrl_hex.sync import make_sync
+from support import ROOT, SMALL, load_config
+
+RAY_MESH = os.path.join(ROOT, "meshes", "cpu-ray.yaml")
+
+
+class _Quiet:
+  t0 = 0.0
+
+  def log(self, row):
+    pass
+
+
+def _ray_cfg(warm_workdir, **extra):
+  return load_config(**SMALL, **{"init_from": warm_workdir, "mesh_file": RAY_MESH, "cluster.backend": "ray",
+                                 "sync.method": "orbax", **extra})
+
+
+@pytest.mark.parametrize("method", ["orbax", "direct"])
+def test_two_process_trainer_matches_one_process_and_sync_preserves_values(
+    ray_session, warm_workdir, tmp_path, method):
+  cfg = _ray_cfg(warm_workdir, **{"sync.method": method})
+  rt = build_runtime(cfg)
+  train = RayTrainSide(rt, str(tmp_path / "ray"), resume=False)
+  rollout = RayRolloutSide(rt, str(tmp_path / "ray"))
+  try:
+    # the same batch through a one-process trainer with the same (fsdp=2, tensor=2) mesh
+    local_cfg = load_config(**SMALL, init_from=warm_workdir)
+    local_rt = build_runtime(local_cfg)
+    sync = make_sync("device_put", local_rt.policy.shapes(), local_rt.shardings("rollout"))
+    local = LocalTrainSide(local_rt, str(tmp_path / "local"), False, _Quiet(), sync)
+    sampler = LocalRolloutSide(local_rt, sync)
+    records = [dict(r, index=i) for i, r in enumerate(local_rt.task.train[:8])]
+    batch, _ = sampler.generate(records, 4, 0, 0, local.publish())
+    batch.rewards = np.arange(32, dtype=np.float32) % 3
+    batch = rl_batch(batch)
+    want, got = local.step(batch), train.step(batch)
+    assert got["loss"] != 0
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+    # train layout (2 processes, fsdp x tensor) -> rollout layout (1 process, data x tensor)
+    handle = train.publish()
+    assert handle.version == 1 and train.sync_seconds > 0
+    worker = rollout.workers[0]
+    import ray
+    assert ray.get(worker.receive.remote(handle)) == 1
+    sent = ray.get([w.fetch_params.remote() for w in train.workers])[0]  # a collective: every process
+    received = ray.get(worker.fetch_params.remote())
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sent), jax.tree.leaves(received)):
+      np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    local_params = jax.device_get(local.trainer.params)
+    for a, b in zip(jax.tree.leaves(sent), jax.tree.leaves(local_params)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  finally:
+    train.close()
+    rollout.close()
+
+
+def test_bad_cluster_input_fails_before_work(ray_session, warm_workdir, tmp_path, capsys):
+  with pytest.raises(UserError, match="not reachable"):
+    connect("127.0.0.1:1")
+  mesh = tmp_path / "hosts.yaml"
+  mesh.write_text(open(RAY_MESH).read().replace("processes: 2", "processes: 2\n    hosts: 3"))
+  base = ["train", f"--config.init_from={warm_workdir}", "--config.cluster.backend=ray", "--config.sync.method=orbax"]
+  assert cli.main(base + [f"--workdir={tmp_path}/a", f"--config.mesh_file={mesh}"]) == 2
+  assert "pools.train spans 3 hosts but the Ray cluster has 1 node" in capsys.readouterr().err
+  blocker = tmp_path / "blocker"
+  blocker.write_text("")
+  assert cli.main(base + [f"--workdir={tmp_path}/b", f"--config.mesh_file={RAY_MESH}",
+                          f"--config.sync.directory={blocker}/sync"]) == 2
+  assert "sync.directory: cannot write" in capsys.readouterr().err
+
+
+def test_hung_rollout_workers_are_replaced_then_the_run_gives_up(ray_session, warm_workdir, tmp_path):
+  from jaxrl_hex import commands
+  cfg = _ray_cfg(warm_workdir, **{"cluster.worker_timeout_s": 0.01, "cluster.max_restarts": 1,
+                                  "train.steps": 2})
+  with pytest.raises(RuntimeError, match=r"lost 2 times \(cluster.max_restarts=1\)"):
+    commands.train(cfg, str(tmp_path / "run"))
+
+
+def test_killed_rollout_process_is_replaced_and_no_prompt_is_lost_or_repeated(warm_workdir, tmp_path):
+  workdir = tmp_path / "run"
+  steps = 12
+  cmd = [sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
+         f"--config.mesh_file={RAY_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
+         f"--config.train.steps={steps}", "--config.train.eval_every=100",
+         *[f"--config.{k}={v}" for k, v in SMALL.items()]]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, JAXRL_HEX_QUIET="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  metrics = workdir / "metrics.jsonl"
+  killed = None
+  deadline = time.time() + 600
+  while proc.poll() is None and time.time() < deadline:
+    done = [r for r in read_jsonl(metrics) if r.get("phase") == "train"] if metrics.exists() else []
+    if killed is None and len(done) >= 4:  # mid-run: kill the rollout process named in cluster.json
+      killed = json.load(open(workdir / "cluster.json"))["rollout"]["processes"][0]["pid"]
+      os.kill(killed, signal.SIGKILL)
+    time.sleep(0.2)
+  out = proc.communicate()[0].decode()
+  assert proc.returncode == 0, out[-3000:]
+  assert killed is not None
+  assert json.load(open(workdir / "summary.json"))["rollout_restarts"] >= 1
+  assert json.load(open(workdir / "cluster.json"))["rollout"]["processes"][0]["pid"] != killed
+  rows = [r for r in read_jsonl(metrics) if r.get("phase") == "train" and "prompt_ids" in r]
+  assert [r["batch"] for r in rows] == list(range(steps))
+  # the prompts of every batch are exactly those an undisturbed stream hands out, in order
+  from jaxrl_hex.data.prompts import PromptStream
+  rt = build_runtime(load_config(**SMALL))
+  stream = PromptStream(rt.task.train, SMALL["rollout.prompts_per_step"], seed=0)
+  for r in rows:
+    assert r["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])

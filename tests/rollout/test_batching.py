@@ -1,0 +1,186 @@
+"""Continuous batching: slot refill, shared group prefill, interruption, stop strings, memory.
+
+Correctness is checked against the trainer: every behaviour logprob must equal
+rl.trainer.token_logprobs of the same tokens under the weights of that token's version, which
+only holds if each refilled slot's KV (and each recomputed KV) is exactly right.
+"""
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.models import Policy
+from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.tokenizer import CharTokenizer
+from jaxrl_hex.rl.trainer import token_logprobs
+from jaxrl_hex.rollout.engine import Engine, Request, bucket
+
+CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
+                   tie_embeddings=True)
+TOK = CharTokenizer("0123456789+=")
+NO_EOS = (99,)  # an id the model never samples: lengths are set by the token budgets
+TEMP = 1.3
+
+
+@pytest.fixture(scope="module")
+def weights(pools):
+  policy = Policy.build(CFG)
+  shardings = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
+  return policy, policy.init(0, shardings), policy.init(1, shardings)
+
+
+def make_engine(pools, policy, **kw):
+  kw = dict(dict(temperature=TEMP, slots=2, max_prompt_len=16, eos_ids=NO_EOS, steps_per_sync=4), **kw)
+  return Engine(policy, pools["rollout"], TOK, kw.pop("max_new_tokens", 8), **kw)
+
+
+def run(engine, requests, on_poll=None):
+  engine.submit(requests)
+  samples, polls = [], 0
+  while engine.pending:
+    if on_poll is not None:
+      on_poll(polls)
+    samples += engine.poll()
+    polls += 1
+  return samples
+
+
+def trainer_logprobs(policy, params, samples):
+  """token_logprobs of each sample's completion, laid out as rl.batch lays out a rollout."""
+  p_len = bucket(max(len(s.prompt_tokens) for s in samples))
+  c_len = max(len(s.tokens) for s in samples)
+  n = len(samples)
+  tokens, valid = np.zeros((n, p_len + c_len), np.int32), np.zeros((n, p_len + c_len), bool)
+  for i, s in enumerate(samples):
+    tokens[i, p_len - len(s.prompt_tokens):p_len] = s.prompt_tokens
+    tokens[i, p_len:p_len + len(s.tokens)] = s.tokens
+    valid[i, p_len - len(s.prompt_tokens):p_len + len(s.tokens)] = True
+  batch = {"tokens": tokens, "valid": valid, "loss_mask": valid[:, p_len:]}
+  logp, _ = jax.jit(lambda p, b: token_logprobs(policy, p, b, temperature=TEMP))(params, batch)
+  return [np.asarray(logp)[i, :len(s.tokens)] for i, s in enumerate(samples)]
+
+
+def assert_parity(policy, params_by_version, samples):
+  """Each token's behaviour logprob equals the trainer's under the weights of its version."""
+  checked = 0
+  for version, params in params_by_version.items():
+    ref = trainer_logprobs(policy, params, samples)
+    for s, r in zip(samples, ref):
+      mine = s.versions == version
+      np.testing.assert_allclose(s.logprobs[mine], r[mine], atol=1e-4)
+      checked += int(mine.sum())
+  assert checked == sum(len(s.tokens) for s in samples)
+
+
+def test_slots_refill_in_fifo_order_and_every_request_is_answered_once(pools, weights):
+  policy, params, _ = weights
+  engine = make_engine(pools, policy)
+  engine.load_weights(3, params)
+  budgets = [3, 8, 2, 5, 1]
+  prompts = ["1+2=", "47+38=", "5=", "99+99+9=", "0="]  # 4 prefill lengths
+  samples = run(engine, [Request(p, max_tokens=b, id=i) for i, (p, b) in enumerate(zip(prompts, budgets))])
+  # 2 slots: r0 (3) | r1 (8); r2 takes r0's slot after step 3, r3 takes it after step 5, r4 takes r1's
+  # after step 8 and ends at step 9, r3 at step 10 (the same hand-back: reported in slot order)
+  assert [s.request_id for s in samples] == [0, 2, 1, 3, 4]
+  assert engine.decode_steps == 10
+  assert [len(s.tokens) for s in sorted(samples, key=lambda s: s.request_id)] == budgets
+  assert all(s.finish_reason == "length" and s.truncated and (s.versions == 3).all() for s in samples)
+  assert_parity(policy, {3: params}, samples)
+  assert engine.compile_count <= 4  # decode + prefill buckets (1 or 2 prompts, 16 tokens)
+  assert engine.pending == 0 and engine.poll() == []
+
+
+def test_shared_group_prefill_equals_separate_prefills(pools, weights):
+  policy, params, _ = weights
+  outs, caches = [], []
+  for requests in ([Request("12+34=", n=4)], [Request("12+34=") for _ in range(4)]):
+    engine = make_engine(pools, policy, slots=4)
+    engine.load_weights(0, params)
+    engine.rng = jax.random.key(7)
+    engine.submit(requests)
+    engine._admit()
+    caches.append(jax.device_get(engine._state["cache"]))
+    samples = run(engine, [])
+    outs.append(sorted(samples, key=lambda s: (s.request_id or 0, s.index)))
+  for a, b in zip(*caches):
+    np.testing.assert_allclose(a[0], b[0], atol=1e-6)
+    np.testing.assert_allclose(a[1], b[1], atol=1e-6)
+  assert [s.tokens.tolist() for s in outs[0]] == [s.tokens.tolist() for s in outs[1]]
+  np.testing.assert_allclose(np.stack([s.logprobs for s in outs[0]]), np.stack([s.logprobs for s in outs[1]]),
+                             atol=1e-5)
+
+
+def test_interruption_recomputes_kv_and_keeps_every_token(pools, weights):
+  policy, old, new = weights
+  fresh = iter([None, (5, new)])  # the trainer publishes v5 after the first hand-back
+  engine = make_engine(pools, policy, weights_source=lambda: next(fresh, None), max_new_tokens=12)
+  engine.load_weights(4, old)
+  samples = run(engine, [Request(p, max_tokens=12, id=i) for i, p in enumerate(["1+2=", "47+38=", "5="])])
+  assert sorted(s.request_id for s in samples) == [0, 1, 2]
+  assert all(len(s.tokens) == 12 for s in samples)  # none lost, none duplicated
+  first = next(s for s in samples if s.request_id == 0)
+  assert first.versions.tolist() == [4] * 4 + [5] * 8  # switched at the step boundary, mid-sequence
+  assert_parity(policy, {4: old, 5: new}, samples)
+
+
+def test_interruption_continues_as_a_run_on_the_new_weights_would(pools, weights):
+  """Greedy: after the switch, tokens equal a fresh v5 run fed the prompt + the tokens kept."""
+  policy, old, new = weights
+  engine = make_engine(pools, policy, max_new_tokens=12)
+  engine.load_weights(0, old)
+  engine.greedy = True
+  samples = run(engine, [Request("47+38=", max_tokens=12)], on_poll=lambda i: i == 1 and engine.load_weights(1, new))
+  (s,) = samples
+  k = int((s.versions == 0).sum())
+  assert 0 < k < 12
+  fresh = make_engine(pools, policy, max_new_tokens=12)
+  fresh.load_weights(1, new)
+  fresh.greedy = True
+  (ref,) = run(fresh, [Request(s.prompt_tokens + s.tokens[:k].tolist(), max_tokens=12 - k)])
+  assert s.tokens[k:].tolist() == ref.tokens.tolist()
+  np.testing.assert_allclose(s.logprobs[k:], ref.logprobs, atol=1e-5)
+
+
+def test_interrupt_finish_lets_in_flight_sequences_end_on_old_weights(pools, weights):
+  policy, old, new = weights
+  engine = make_engine(pools, policy, interrupt="finish")
+  engine.load_weights(0, old)
+  budgets = [8, 6, 3]
+  samples = run(engine, [Request("1+2=", max_tokens=b, id=i) for i, b in enumerate(budgets)],
+                on_poll=lambda i: i == 1 and engine.load_weights(1, new))
+  by_id = {s.request_id: s for s in samples}
+  assert [len(by_id[i].tokens) for i in range(3)] == budgets
+  assert (by_id[0].versions == 0).all() and (by_id[1].versions == 0).all()  # in flight at the switch
+  assert (by_id[2].versions == 1).all()  # waited for a slot until the switch
+  assert_parity(policy, {0: old, 1: new}, samples)
+
+
+def test_stop_string_split_across_tokens(pools, weights):
+  policy, params, _ = weights
+  engine = make_engine(pools, policy, max_new_tokens=12)
+  engine.load_weights(0, params)
+  engine.rng = jax.random.key(3)
+  (free,) = run(engine, [Request("12+34=", max_tokens=12)])
+  text = TOK.decode(free.tokens)
+  stop = text[3:5]  # two characters = two tokens
+  end = text.index(stop) + 2
+  engine.rng = jax.random.key(3)
+  engine._chunks = 0
+  (cut,) = run(engine, [Request("12+34=", max_tokens=12, stop=(stop,))])
+  assert cut.finish_reason == "stop" and not cut.truncated
+  assert cut.text == text[:end] and cut.tokens.tolist() == free.tokens[:end].tolist()
+  np.testing.assert_allclose(cut.logprobs, free.logprobs[:end])
+
+
+def test_memory_is_reported_and_a_cache_that_does_not_fit_is_refused(pools, weights):
+  policy, _, _ = weights
+  engine = make_engine(pools, policy, slots=4, max_new_tokens=8)
+  # 2 layers x (k, v) x 4 slots x (16 + 8) tokens x 2 kv heads x 8 dims x 4 bytes
+  assert engine.memory["kv_cache_bytes"] == 2 * 2 * 4 * 24 * 2 * 8 * 4
+  # the rollout pool splits slots over data=2 and kv heads over tensor=2
+  assert engine.memory["kv_cache_bytes_per_device"] == engine.memory["kv_cache_bytes"] // 4
+  with pytest.raises(UserError, match=r"KV cache for 512 slots x 4104 tokens needs 0\.13 GiB per device .*"
+                                      r"budget is 0\.05 GiB \(rollout.memory_budget_gb\)"):
+    make_engine(pools, policy, slots=512, max_prompt_len=4096, memory_budget_gb=0.05)
+  with pytest.raises(UserError, match="does not fit rollout.max_prompt_len=16"):
+    engine.submit([Request("1+2=" * 5)])

@@ -1,0 +1,50 @@
+"""The Colab notebooks as CI runs them: quickstart.ipynb top to bottom on CPU with few steps."""
+import ast
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from support import ROOT
+
+COLAB = os.path.join(ROOT, "colab")
+FIGURES = 5  # reward, eval accuracy, staleness, timeline, throughput
+
+
+def _outputs(cell, kind):
+  return [o for o in cell.get("outputs", []) if kind in o.get("data", {}) or o.get("name") == kind]
+
+
+def test_quickstart_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
+  # the kernel inherits this environment: a short run, and progress printed as a user would see it
+  monkeypatch.setenv("QUICKSTART_RL_STEPS", "4")
+  monkeypatch.setenv("QUICKSTART_SFT_MAX_STEPS", "20")
+  monkeypatch.setenv("QUICKSTART_FLAGS", " ".join([
+      "--config.rollout.prompts_per_step=8", "--config.rollout.group_size=4", "--config.train.eval_size=32",
+      "--config.sft.eval_size=32", "--config.sft.eval_every=10", "--config.train.eval_every=2",
+      "--config.train.log_every=1"]))
+  monkeypatch.setenv("QUICKSTART_WORKDIR", str(tmp_path / "runs" / "quickstart"))
+  monkeypatch.delenv("JAXRL_HEX_QUIET", raising=False)
+  nb = nbformat.read(os.path.join(COLAB, "quickstart.ipynb"), as_version=4)
+  # raises CellExecutionError, naming the cell, if any cell fails
+  NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  text = "".join(o.get("text", "") for c in code for o in c.get("outputs", []) if o.get("output_type") == "stream")
+  assert "JAX sees" in text and "cpu-8.yaml" in text
+  train_log = "".join(o["text"] for o in _outputs(code[3], "stdout"))
+  assert "train 4/4" in train_log and "reward" in train_log and "\x1b" not in train_log
+  assert sum(len(_outputs(c, "image/png")) for c in code) == FIGURES
+  assert any("| run | RL steps |" in o["data"]["text/markdown"] for c in code for o in _outputs(c, "text/markdown"))
+  assert (tmp_path / "runs" / "quickstart" / "tb").is_dir()
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "bring_your_model.ipynb"])
+def test_notebooks_are_valid_and_their_code_parses(name):
+  nb = nbformat.read(os.path.join(COLAB, name), as_version=4)
+  nbformat.validate(nb)
+  for cell in nb.cells:
+    if cell.cell_type == "code":
+      assert not cell.outputs, f"{name}: commit notebooks without outputs"
+      ast.parse(cell.source)
