@@ -52,8 +52,9 @@ def w3(seqs, prompt, completion, steps):
       model, train_example, algo_config, pad_id=PAD, eos_id=EOS), has_aux=True)
   trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
   rng = np.random.default_rng(0)
+  prompts = np.repeat(rng.integers(3, 512, (seqs // 8, prompt)).astype(np.int32), 8, axis=0)  # groups of 8
   example = grpo_learner.TrainExample(
-      prompt_ids=rng.integers(3, 512, (seqs, prompt)).astype(np.int32), prompt_mask=np.ones((seqs, prompt), bool),
+      prompt_ids=prompts, prompt_mask=np.ones((seqs, prompt), bool),
       completion_ids=rng.integers(3, 512, (seqs, completion)).astype(np.int32),
       completion_mask=np.ones((seqs, completion), bool),
       advantages=rng.normal(size=seqs).astype(np.float32), ref_per_token_logps=None, old_per_token_logps=None)
@@ -95,7 +96,8 @@ def w4(prompts, group, prompt, new, steps):
   devices = jax.devices()
   train_mesh, rollout_mesh = mesh(devices[:4]), mesh(devices[4:8])
   rng = np.random.default_rng(0)
-  data = [{"prompts": [" ".join(map(str, rng.integers(3, 512, prompt - 1))) for _ in range(prompts)]}
+  # an array, not a list: the learner repeats each prompt per sample with tree maps
+  data = [{"prompts": np.array([" ".join(map(str, rng.integers(3, 512, prompt - 1))) for _ in range(prompts)])}
           for _ in range(steps + 1)]
   training = rl_cluster_lib.RLTrainingConfig(
       actor_optimizer=optax.adamw(1e-5), eval_every_n_steps=10**6, max_steps=1, mini_batch_size=prompts)

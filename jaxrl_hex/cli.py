@@ -61,6 +61,11 @@ def _config_command(name: str, argv: list[str]) -> int:
     summary = getattr(commands, name)(cfg, workdir, resume=fv.resume)
   except UserError as e:
     return _fail(str(e))
+  if summary.get("wall_seconds") is not None and summary.get("eval_accuracy_end") is not None:
+    warm = summary.get("warmstart") or {}
+    before = warm.get("eval_accuracy_end", summary["eval_accuracy_start"])
+    print(f"held-out accuracy {before:.3f} -> {summary['eval_accuracy_end']:.3f} "
+          f"(warm start -> end of RL), wall time {summary['wall_seconds']:.0f}s")
   print(f"workdir: {workdir}")
   return 0 if summary is not None else 1
 

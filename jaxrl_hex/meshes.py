@@ -199,3 +199,20 @@ class Pool:
 
 def build_pools(mesh_file: MeshFile, devices=None) -> dict:
   return {name: Pool(spec, devices) for name, spec in mesh_file.pools.items()}
+
+
+def to_host(tree):
+  """device_get that also works in a multi-process runtime, where arrays sharded over other
+  processes' devices are gathered (a collective: every process of the runtime must call it)."""
+  import jax
+  from jax.experimental import multihost_utils
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  return jax.tree.map(lambda x: jax.device_get(x) if getattr(x, "is_fully_addressable", True)
+                      else multihost_utils.process_allgather(x, tiled=True), tree)
+
+
+def local_device(pool) -> "jax.Device":
+  """A device of `pool` that this process owns (for queries like memory_stats)."""
+  import jax
+  return next(d for d in pool.devices if d.process_index == jax.process_index())

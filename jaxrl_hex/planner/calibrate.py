@@ -105,10 +105,16 @@ def calibrate(records, catalog) -> tuple:
       inv_eff = max(np.mean((target - overhead / measured) * measured / roofline), 0.0)
     overlay[kind] = dict(overlay.get(kind, {}), **{eff_field: float(1 / max(inv_eff, 1e-9)),
                                                    over_field: float(overhead)})
+  return {"devices": overlay}, error_report(records, catalog, {"devices": overlay})
+
+
+def error_report(records, catalog, overlay) -> list:
+  """Per record: measured and predicted seconds on the catalog (before) and the catalog plus
+  `overlay` (after), with relative errors. Records left out of the fit score held-out error."""
   report = []
   for rec in records:
     dev = catalog[rec["device_type"]]
-    fitted = dataclasses.replace(dev, **overlay[rec["device_type"]])
+    fitted = dataclasses.replace(dev, **overlay["devices"].get(rec["device_type"], {}))
     measured, before = predict(rec, dev)
     after = predict(rec, fitted)[1]
     report.append({"pool": rec["pool"], "device_type": rec["device_type"], "devices": rec["devices"],
@@ -116,4 +122,4 @@ def calibrate(records, catalog) -> tuple:
                    "predicted_after_s": after.total_s,
                    "error_before": abs(before.total_s - measured) / measured,
                    "error_after": abs(after.total_s - measured) / measured})
-  return {"devices": overlay}, report
+  return report
