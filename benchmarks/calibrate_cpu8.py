@@ -10,7 +10,7 @@ Writes them as measured-run records (the shapes in jaxrl_hex/planner/calibrate.p
 efficiency factors on the FIT points only and reports the prediction error both in-sample and on
 the HELD-OUT points (the honest figure).
 
-  python benchmarks/calibrate_cpu8.py [--rounds 7] [--write]
+  python benchmarks/calibrate_cpu8.py [--rounds 9] [--write]
     -> benchmarks/out/cpu8-measured.json (records), benchmarks/out/cpu8-calibration.json (fit, errors)
   --write also puts the fitted factors into the `cpu` entry of jaxrl_hex/planner/catalog.yaml and
   the table into benchmarks/README.md (between the cpu8-calibration markers).
@@ -153,7 +153,8 @@ def rollout_point(pool, name, batch, context, held_out) -> Point:
 
 def measure(points, rounds, warmup=2) -> list:
   """Warm up (compile) every point, then time each once per round, round-robin; fills each
-  record's step_s (median seconds per step), step_s_all and its throughput field."""
+  record's step_s (median seconds per step), step_s_all, spread (interquartile range over
+  median: the noise) and its throughput field."""
   for p in points:
     for _ in range(warmup):
       p.run()
@@ -166,7 +167,8 @@ def measure(points, rounds, warmup=2) -> list:
   records = []
   for p, ts in zip(points, times):
     r, step = p.record, statistics.median(ts)
-    r.update(step_s=step, step_s_all=[round(t, 6) for t in ts])
+    q1, _, q3 = statistics.quantiles(ts, n=4)
+    r.update(step_s=step, step_s_all=[round(t, 6) for t in ts], spread=(q3 - q1) / step)
     if r["pool"] == "train":
       r["tokens_per_s"] = r["tokens_per_step"] / step
     else:
@@ -185,7 +187,7 @@ def fit(records, catalog=None) -> dict:
   """Fit on the records not held out; score every record before and after."""
   catalog = catalog or load_catalog()
   overlay, _ = cal.calibrate([r for r in records if not r["held_out"]], catalog)
-  rows = [dict(row, name=r["name"], held_out=r["held_out"])
+  rows = [dict(row, name=r["name"], held_out=r["held_out"], spread=r["spread"])
           for r, row in zip(records, cal.error_report(records, catalog, overlay))]
   summary = {}
   for pool in ("train", "rollout"):
@@ -198,11 +200,11 @@ def fit(records, catalog=None) -> dict:
 
 
 def table(result) -> str:
-  lines = ["| pool | operating point | set | measured ms | predicted before ms | predicted after ms | error after |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["| pool | operating point | set | measured ms | spread | predicted before ms | predicted after ms | "
+           "error after |", "|---|---|---|---|---|---|---|---|"]
   for r in result["rows"]:
     lines.append(f"| {r['pool']} | {r['name']} | {'held out' if r['held_out'] else 'fit'} | "
-                 f"{r['measured_s'] * 1e3:.2f} | {r['predicted_before_s'] * 1e3:.2f} | "
+                 f"{r['measured_s'] * 1e3:.2f} | {r['spread']:.0%} | {r['predicted_before_s'] * 1e3:.2f} | "
                  f"{r['predicted_after_s'] * 1e3:.2f} | {r['error_after']:.0%} |")
   lines.append("")
   for key, e in result["error_after"].items():
@@ -236,10 +238,12 @@ def write_readme(text):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--rounds", type=int, default=7, help="timed calls per point (the median is kept)")
+  ap.add_argument("--rounds", type=int, default=9, help="timed calls per point, >= 2 (the median is kept)")
   ap.add_argument("--warmup", type=int, default=2, help="untimed calls per point first (compiles)")
   ap.add_argument("--write", action="store_true", help="update the catalog's cpu entry and benchmarks/README.md")
   args = ap.parse_args(argv)
+  if args.rounds < 2:
+    ap.error("--rounds must be >= 2 (the spread needs quartiles)")
   start = time.perf_counter()
   records = measure(build_points(TRAIN_POINTS, ROLLOUT_POINTS), args.rounds, args.warmup)
   OUT.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ class PoolSpec:
   replicas: int = 1         # rollout: independent copies of this pool, each its own runtime
   ray_options: dict = dataclasses.field(default_factory=dict)  # per worker actor, e.g. {num_gpus: 4}
   affinity: tuple = ()      # CPU cores its processes are pinned to (Ray backend on one machine)
+  groups: tuple = ()        # rollout replicas of differing type / TP degree, as the planner writes them
 
   def partition_spec(self, logical_axes, shape=None, what="array"):
     """Logical axis names -> PartitionSpec over this pool's mesh; checks that each dim divides."""
@@ -109,21 +110,23 @@ def load_mesh_file(path: str) -> MeshFile:
     bad = [a for a in axes if a not in MESH_AXES]
     if bad:
       raise MeshError(f"{path}: pools.{name}.mesh has unknown axes {bad}; use names from {MESH_AXES}")
-    size = 1
-    for v in axes.values():
-      size *= int(v)
+    groups = _replica_groups(path, name, p.get("replicas"))
+    size = sum(g["count"] * _size(g["mesh"]) for g in groups) if groups else _size(axes)
     if size != len(ids):
-      raise MeshError(f"{path}: pools.{name}.mesh {axes} has {size} devices but the pool lists {len(ids)}; make the axis sizes multiply to the device count")
+      what = "its replica groups use" if groups else f"mesh {axes} has"
+      raise MeshError(f"{path}: pools.{name}.{'replicas' if groups else 'mesh'}: {what} {size} devices but the "
+                      f"pool lists {len(ids)}; make the sizes multiply to the device count")
     rules = dict(DEFAULT_RULES)
     for k, v in (p.get("rules") or {}).items():
       rules[k] = tuple([v] if isinstance(v, str) else (v or ()))
-    processes, replicas = int(p.get("processes", 1)), int(p.get("replicas", 1))
+    processes = int(p.get("processes", 1))
+    replicas = sum(g["count"] for g in groups) if groups else int(p.get("replicas", 1))
     if len(ids) % processes:
       raise MeshError(f"{path}: pools.{name} has {len(ids)} devices over {processes} processes; "
                       "make the device count a multiple of processes")
     pools[name] = PoolSpec(name, ids, axes, rules, p.get("device_type"), processes,
                            int(p.get("hosts", 1)), replicas, dict(p.get("ray") or {}),
-                           tuple(p.get("affinity") or ()))
+                           tuple(p.get("affinity") or ()), tuple(groups))
   all_ids = [i for p in pools.values() for i in p.device_ids]
   num_devices = raw.get("num_devices")
   if num_devices is not None and max(all_ids) >= num_devices:
@@ -132,6 +135,23 @@ def load_mesh_file(path: str) -> MeshFile:
   if len(set(all_ids)) != len(all_ids) and not raw.get("share_devices", False):
     raise MeshError(f"{path}: pools share devices {sorted({i for i in all_ids if all_ids.count(i) > 1})}; give each pool its own devices, or set share_devices: true (one accelerator: both pools on it, weights held twice)")
   return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools)
+
+
+def _size(axes) -> int:
+  n = 1
+  for v in axes.values():
+    n *= int(v)
+  return n
+
+
+def _replica_groups(path, name, replicas) -> list:
+  """`replicas: [{device_type, count, mesh: {tensor: T}}]` (a heterogeneous rollout side), or []."""
+  if not isinstance(replicas, list):
+    return []
+  for i, g in enumerate(replicas):
+    if not isinstance(g, dict) or not isinstance(g.get("count"), int) or not isinstance(g.get("mesh"), dict):
+      raise MeshError(f"{path}: pools.{name}.replicas[{i}] needs count (int) and mesh ({{tensor: T}})")
+  return [dict(g) for g in replicas]
 
 
 def prepare_cpu_devices(n: int):
@@ -158,6 +178,9 @@ class Pool:
       raise MeshError(
           f"pools.{spec.name} needs device ids up to {max(spec.device_ids)} but only {len(available)} "
           f"{available[0].platform} devices exist; shrink the pool's mesh or run on more devices")
+    if spec.groups:
+      raise MeshError(f"pools.{spec.name} has replica groups of differing layouts (a planner output for a "
+                      "mixed cluster); one runtime cannot hold them: run each group as its own mesh file")
     self.spec = spec
     self.name = spec.name
     self.devices = [available[i] for i in spec.device_ids]

@@ -159,6 +159,7 @@ class Orchestrator:
     m = train.step(rl_batch(ro))
     t1 = time.time()
     self._handle = train.publish()
+    self.rollout.offer(self._handle)
     t2 = time.time()
     self.buffer.advance(train.version)
     self.recorder.span("train", "step", t0, t1, step=step)

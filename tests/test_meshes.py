@@ -1,5 +1,6 @@
 import os
 
+import numpy as np
 import pytest
 
 from jaxrl_hex import meshes
@@ -34,7 +35,7 @@ def test_a_new_layout_is_a_new_table(tmp_path):
 
 
 def test_bad_mesh_files_name_the_field(tmp_path):
-  with pytest.raises(MeshError, match=r"pools.train.mesh \{'fsdp': 3\} has 3 devices but the pool lists 4"):
+  with pytest.raises(MeshError, match=r"pools.train.mesh: mesh \{'fsdp': 3\} has 3 devices but the pool lists 4"):
     meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: 4, mesh: {fsdp: 3}}\n"))
   with pytest.raises(MeshError, match="unknown axes"):
     meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: 2, mesh: {model: 2}}\n"))
@@ -61,10 +62,8 @@ def test_every_shipped_mesh_file_loads(name):
   spec = meshes.load_mesh_file(os.path.join(ROOT, "meshes", name))
   assert {"train", "rollout"} <= set(spec.pools)
   for pool in spec.pools.values():
-    size = 1
-    for v in pool.axes.values():
-      size *= v
-    assert size == len(pool.device_ids)
+    layouts = [(g["count"], g["mesh"]) for g in pool.groups] or [(1, pool.axes)]
+    assert sum(count * int(np.prod(list(axes.values()))) for count, axes in layouts) == len(pool.device_ids)
 
 
 def test_one_device_shared_by_both_pools(tmp_path):

@@ -1,8 +1,8 @@
 """Run records as a person reads them: TensorBoard files that TensorBoard itself reads back, and
 progress lines that stay plain text when the output is not a terminal."""
-import importlib.util
 import io
 import os
+import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -66,11 +66,24 @@ def test_tensorboard_can_be_switched_off(tmp_path):
   assert not os.path.exists(tmp_path / TB_DIR) and read_jsonl(tmp_path / "metrics.jsonl")[0]["reward_mean"] == 0.5
 
 
-def test_wandb_asked_for_but_not_installed(tmp_path):
-  if importlib.util.find_spec("wandb") is not None:
-    pytest.skip("wandb is installed here")
+def test_wandb_asked_for_but_not_installed(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now fails as if it were absent
   with pytest.raises(UserError, match="log.wandb_project is set but wandb is not installed"):
     Recorder(str(tmp_path), config=load_config(**{"log.wandb_project": "demo"}))
+
+
+def test_wandb_run_gets_every_metric_offline(tmp_path, monkeypatch):
+  pytest.importorskip("wandb")
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  rec = Recorder(str(tmp_path), config=load_config(**{"log.wandb_project": "demo"}))
+  for step in (1, 2, 3):
+    rec.log({"phase": "train", "step": step, "reward_mean": step / 10, "wall_s": float(step)})
+  summary = dict(rec._wandb.summary)  # the run's last values, as W&B will sync them
+  rec.close()
+  assert summary["train/reward_mean"] == pytest.approx(0.3) and summary["train/step"] == 3
+  runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+  assert len(runs) == 1 and any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / runs[0]))
 
 
 class _Terminal(io.StringIO):

@@ -48,3 +48,26 @@ def test_notebooks_are_valid_and_their_code_parses(name):
     if cell.cell_type == "code":
       assert not cell.outputs, f"{name}: commit notebooks without outputs"
       ast.parse(cell.source)
+
+
+@pytest.mark.slow  # 110-160 s on 2 loaded cores: five JAX processes, the engine and trainer compiles
+def test_bring_your_model_runs_its_demo_top_to_bottom_on_cpu(tmp_path, monkeypatch):
+  """No model dir: a tiny random Qwen2 and the sample JSONL through GRPO, the report and the export."""
+  for name in ("BYOM_MODEL_DIR", "BYOM_DATA", "BYOM_EVAL_DATA", "BYOM_FLAGS", "JAXRL_HEX_QUIET"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("BYOM_RL_STEPS", "2")
+  monkeypatch.setenv("BYOM_WORKDIR", str(tmp_path / "runs" / "byom"))
+  export = tmp_path / "runs" / "byom-hf"
+  monkeypatch.setenv("BYOM_EXPORT_DIR", str(export))
+  nb = nbformat.read(os.path.join(COLAB, "bring_your_model.ipynb"), as_version=4)
+  NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  text = "".join(o["text"] for c in code for o in _outputs(c, "stdout"))
+  assert "gsm8k_sample.jsonl: 16 problems" in text and "2 layers, d_model 32" in text and "greedy: " in text
+  assert "train 2/2" in text and "\x1b" not in text
+  assert sum(len(_outputs(c, "image/png")) for c in code) == FIGURES
+  assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(export))
+  # the export read back by from_hf and by transformers gives the same logits
+  diff = float(text.split("max |difference| ")[1].split()[0])
+  assert diff < 1e-4

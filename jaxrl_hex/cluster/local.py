@@ -10,7 +10,7 @@ from jaxrl_hex.evaluation import greedy_completions
 from jaxrl_hex.models.hf import load_params
 from jaxrl_hex.rl.objectives import make_rl_loss
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer
-from jaxrl_hex.rollout.engine import Engine
+from jaxrl_hex.rollout.engine import Engine, engine_options
 from jaxrl_hex.sft import run_sft
 from jaxrl_hex.sync import make_sync
 
@@ -81,10 +81,23 @@ class LocalRolloutSide:
   def __init__(self, rt, sync):
     r = rt.cfg.rollout
     self.rt, self.sync = rt, sync
+    self._offered = None  # newest published weights, picked up by the engine mid-batch
     pool = rt.pool("rollout")
+    options = engine_options(r)
     self.engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
-                         max_prompt_len=r.max_prompt_len)
-    self.eval_engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, max_prompt_len=r.max_prompt_len)
+                         **options, weights_source=self._fresh_weights)
+    self.eval_engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, **options)
+
+  def offer(self, handle):
+    """Called right after each publish: in-flight sequences switch to these weights at the engine's
+    next hand-back (rollout.interrupt), each new token carrying the new version."""
+    self._offered = handle
+
+  def _fresh_weights(self):
+    handle = self._offered
+    if handle is not None and handle.version > self.engine.version:
+      return self.sync.receive(handle)
+    return None
 
   def _refresh(self, engine, handle):
     if handle.version > engine.version:
@@ -104,9 +117,6 @@ class LocalRolloutSide:
   def evaluate(self, records, handle) -> list[str]:
     self._refresh(self.eval_engine, handle)
     return greedy_completions(self.eval_engine, records, len(records))
-
-  def decode(self, rollout):
-    return self.engine.decode(rollout)
 
   def describe(self) -> dict:
     return dict(self.rt.pool("rollout").describe(), processes=[{"pid": os.getpid(), "host": os.uname().nodename}])

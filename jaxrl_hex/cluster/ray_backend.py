@@ -170,6 +170,9 @@ class RayRolloutSide:
     if self.on_restart is not None:
       self.on_restart()
 
+  def offer(self, handle):
+    """Replicas load new weights between batches (the next generate's handle), not mid-batch."""
+
   def generate(self, records, group_size, seed, batch_index, handle):
     return self._call("generate", records, group_size, seed, batch_index, handle)
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_hex.errors import UserError
+from jaxrl_hex.meshes import local_device, to_host
 from jaxrl_hex.rollout import slots as S
 
 INTERRUPT_MODES = ("recompute", "finish")
@@ -154,7 +155,7 @@ class Engine:
     cache = 2 * cfg.n_layers * shard_bytes(self._state_shardings["cache"][0][0], cache_shape, self.cache_dtype)
     params = sum(shard_bytes(sh, x.shape, x.dtype) for sh, x in
                  zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
-    budget = int(budget_gb * 2 ** 30) or int((self.pool.devices[0].memory_stats() or {}).get("bytes_limit", 0))
+    budget = int(budget_gb * 2 ** 30) or int((local_device(self.pool).memory_stats() or {}).get("bytes_limit", 0))
     plan = {"kv_cache_bytes": S.cache_bytes(cfg, self.num_slots, self.length, self.cache_dtype),
             "kv_cache_bytes_per_device": cache, "params_bytes_per_device": params,
             "budget_bytes_per_device": budget}
@@ -273,7 +274,7 @@ class Engine:
     self._state, live, tokens, logprobs, emitted, steps = self._run(
         ("decode", self.greedy), fn, self.params, self._state, self._live, rng, np.bool_(stop_on_finish),
         extra_outputs=5)
-    live, tokens, logprobs, emitted, steps = jax.device_get((live, tokens, logprobs, emitted, steps))
+    live, tokens, logprobs, emitted, steps = to_host((live, tokens, logprobs, emitted, steps))
     self.decode_steps += int(steps)
     for slot in np.flatnonzero(self._live):
       seq = self._seqs[slot]
