@@ -5,7 +5,8 @@ import typing
 import jax
 from flax import nnx
 
-from jaxrl_hex.models.decoder import Decoder, causal_mask, init_cache  # noqa: F401
+from jaxrl_hex.models.decoder import (CACHE_AXES, CACHE_LENGTH_AXES, Decoder, cache_shapes, causal_mask,  # noqa: F401
+                                      extend_cache, init_cache)
 
 
 @dataclasses.dataclass(frozen=True)

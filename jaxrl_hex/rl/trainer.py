@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.models import Policy, causal_mask, init_cache
+from jaxrl_hex.models import Policy, causal_mask, extend_cache, init_cache
 from jaxrl_hex.rl import packing
 
 # [M, K, R, L] rows split over the batch axes; shared prompts [M, K, G, P] are replicated
@@ -56,8 +56,7 @@ def shared_prompt_logits(policy, params, micro):
   r, c_len = tokens.shape
   prompt_logits, cache = policy.apply(params, micro["prompt_tokens"], micro["prompt_positions"],
                                       causal_mask(p_valid), init_cache(policy.cfg, g, p_len), 0)
-  pad = ((0, 0), (0, c_len - 1), (0, 0), (0, 0))
-  cache = [(jnp.pad(k[group], pad), jnp.pad(v[group], pad)) for k, v in cache]
+  cache = extend_cache(cache, group, c_len - 1)
   keys = jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1)                  # [R, P + C - 1]
   causal = jnp.arange(p_len + c_len - 1)[None, :] <= p_len + jnp.arange(c_len - 1)[:, None]
   logits, _ = policy.apply(params, tokens[:, :-1], micro["positions"][:, :-1], causal[None] & keys[:, None, :],

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import local_device, to_host
+from jaxrl_hex.models import cache_shapes
 from jaxrl_hex.rollout import slots as S
 
 INTERRUPT_MODES = ("recompute", "finish")
@@ -151,8 +152,8 @@ class Engine:
     """Per-device bytes of the KV cache and the weights; refuses a cache that does not fit."""
     cfg = self.policy.cfg
     shard_bytes = lambda sharding, shape, dtype: int(np.prod(sharding.shard_shape(shape))) * jnp.dtype(dtype).itemsize
-    cache_shape = (self.num_slots, self.length, cfg.n_kv_heads, cfg.head_dim)
-    cache = 2 * cfg.n_layers * shard_bytes(self._state_shardings["cache"][0][0], cache_shape, self.cache_dtype)
+    cache = cfg.n_layers * sum(shard_bytes(sharding, shape, self.cache_dtype) for sharding, shape in
+                               zip(self._state_shardings["cache"][0], cache_shapes(cfg, self.num_slots, self.length)))
     params = sum(shard_bytes(sh, x.shape, x.dtype) for sh, x in
                  zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
     budget = int(budget_gb * 2 ** 30) or int((local_device(self.pool).memory_stats() or {}).get("bytes_limit", 0))

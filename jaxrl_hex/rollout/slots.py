@@ -16,14 +16,13 @@ logits, and the first decode step of a slot samples its first completion token.
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.models import causal_mask, init_cache
+from jaxrl_hex.models import CACHE_AXES, CACHE_LENGTH_AXES, cache_shapes, causal_mask, init_cache
 from jaxrl_hex.rollout.sampling import sample
 
-STATE_AXES = {  # logical axes of each state field (cache entries: batch, length, kv_heads, head_dim)
+STATE_AXES = {  # logical axes of each state field (the cache's: models.CACHE_AXES)
     "valid": ("batch", "length"), "col_tok": ("batch", "length"), "col_pos": ("batch", "length"),
     "pending": ("batch",), "pos": ("batch",), "count": ("batch",), "max_new": ("batch",), "t": (),
 }
-CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
 
 
 def init_state(cfg, slots: int, length: int, cache_dtype):
@@ -35,9 +34,9 @@ def init_state(cfg, slots: int, length: int, cache_dtype):
 
 
 def state_shardings(pool, cfg, slots: int, length: int):
-  cache = pool.sharding(CACHE_AXES, (slots, length, cfg.n_kv_heads, cfg.head_dim), "KV cache")
+  layer = tuple(pool.sharding(axes, shape, "KV cache") for axes, shape in zip(CACHE_AXES, cache_shapes(cfg, slots, length)))
   out = {k: pool.sharding(ax) for k, ax in STATE_AXES.items()}
-  out["cache"] = [(cache, cache) for _ in range(cfg.n_layers)]
+  out["cache"] = [layer] * cfg.n_layers
   return out
 
 
@@ -63,14 +62,16 @@ def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new):
   in_prompt = filled[:, None] & (k < cached_len[:, None])
   k = jnp.minimum(k, p_len - 1)
 
-  def put(dest, values):  # values [n, Pb, ...] -> dest [S, T, ...] on the refilled prompt columns
-    picked = values[row[:, None], k]
-    return jnp.where(in_prompt.reshape(in_prompt.shape + (1,) * (dest.ndim - 2)), picked, dest)
+  def put(dest, values, axis=1):  # values [n, .., Pb (axis), ..] -> dest [S, .., T (axis), ..] on the prompt columns
+    picked = jnp.moveaxis(jnp.moveaxis(values, axis, 1)[row[:, None], k], 1, axis)
+    where = jnp.moveaxis(in_prompt.reshape(in_prompt.shape + (1,) * (dest.ndim - 2)), 1, axis)
+    return jnp.where(where, picked, dest)
 
   def per_slot(dest, values):
     return jnp.where(filled, values, dest)
 
-  cache = [(put(ck, pk), put(cv, pv)) for (ck, cv), (pk, pv) in zip(state["cache"], kv)]
+  cache = [tuple(put(c, p, axis) for c, p, axis in zip(dest, prompt, CACHE_LENGTH_AXES))
+           for dest, prompt in zip(state["cache"], kv)]
   budget = jnp.zeros((slots,), jnp.int32).at[slot_ids].set(max_new, mode="drop")
   return dict(state, cache=cache, valid=jnp.where(filled[:, None], in_prompt, state["valid"]),
               col_tok=put(state["col_tok"], tokens), col_pos=put(state["col_pos"], jnp.broadcast_to(j, (n, p_len))),
