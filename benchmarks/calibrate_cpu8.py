@@ -10,7 +10,7 @@ Writes them as measured-run records (the shapes in jaxrl_hex/planner/calibrate.p
 efficiency factors on the FIT points only and reports the prediction error both in-sample and on
 the HELD-OUT points (the honest figure).
 
-  python benchmarks/calibrate_cpu8.py [--rounds 9] [--write]
+  python benchmarks/calibrate_cpu8.py [--rounds 9] [--write] [--refit]
     -> benchmarks/out/cpu8-measured.json (records), benchmarks/out/cpu8-calibration.json (fit, errors)
   --write also puts the fitted factors into the `cpu` entry of jaxrl_hex/planner/catalog.yaml and
   the table into benchmarks/README.md (between the cpu8-calibration markers).
@@ -241,13 +241,17 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=9, help="timed calls per point, >= 2 (the median is kept)")
   ap.add_argument("--warmup", type=int, default=2, help="untimed calls per point first (compiles)")
   ap.add_argument("--write", action="store_true", help="update the catalog's cpu entry and benchmarks/README.md")
+  ap.add_argument("--refit", action="store_true", help="fit the records of the last measurement again, measure nothing")
   args = ap.parse_args(argv)
   if args.rounds < 2:
     ap.error("--rounds must be >= 2 (the spread needs quartiles)")
   start = time.perf_counter()
-  records = measure(build_points(TRAIN_POINTS, ROLLOUT_POINTS), args.rounds, args.warmup)
-  OUT.mkdir(parents=True, exist_ok=True)
-  (OUT / "cpu8-measured.json").write_text(json.dumps({"records": records}, indent=1))
+  if args.refit:
+    records = json.loads((OUT / "cpu8-measured.json").read_text())["records"]
+  else:
+    records = measure(build_points(TRAIN_POINTS, ROLLOUT_POINTS), args.rounds, args.warmup)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "cpu8-measured.json").write_text(json.dumps({"records": records}, indent=1))
   result = fit(records)
   result["seconds"] = time.perf_counter() - start
   (OUT / "cpu8-calibration.json").write_text(json.dumps(result, indent=1))

@@ -31,7 +31,7 @@ def _config_command(name: str, argv: list[str]) -> int:
   from absl import flags, logging as absl_logging
 
   from jaxrl_hex.config import resolve_path
-  from jaxrl_hex.errors import UserError
+  from jaxrl_hex.errors import RunStopped, UserError
 
   argv = ["jaxrl-hex " + name] + [
       "--config=" + resolve_path(arg[len("--config="):]) if arg.startswith("--config=") else arg for arg in argv]
@@ -61,6 +61,9 @@ def _config_command(name: str, argv: list[str]) -> int:
     summary = getattr(commands, name)(cfg, workdir, resume=fv.resume)
   except UserError as e:
     return _fail(str(e))
+  except RunStopped as e:
+    _fail(str(e))
+    return 3
   if summary.get("wall_seconds") is not None and summary.get("eval_accuracy_end") is not None:
     warm = summary.get("warmstart") or {}
     before = warm.get("eval_accuracy_end", summary["eval_accuracy_start"])

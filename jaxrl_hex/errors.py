@@ -4,3 +4,8 @@ every message names the field or file at fault and how to fix it."""
 
 class UserError(ValueError):
   pass
+
+
+class RunStopped(RuntimeError):
+  """A run that cannot go on but can be continued (a train process was lost): the CLI prints the
+  message, which says how to resume, as one line and exits 3."""

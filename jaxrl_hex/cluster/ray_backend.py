@@ -11,7 +11,7 @@ import socket
 import threading
 
 from jaxrl_hex.cluster.local import sync_directory
-from jaxrl_hex.errors import UserError
+from jaxrl_hex.errors import RunStopped, UserError
 
 
 def connect(address: str):
@@ -84,14 +84,30 @@ class RayTrainSide:
       raise _unwrap(e) from None
     self.version, self.meta, self.warmstart = started["version"], started["meta"], started["warmstart"]
     self.sync_seconds = 0.0
-    self.mesh = spec.axes
+    self.mesh, self.workdir, self.timeout = spec.axes, workdir, rt.cfg.cluster.worker_timeout_s
+    self.lost = False
     self._ray = ray
 
   def _all(self, method, *args):
+    """`method` on every train process. One lost process cannot be replaced alone (its peers
+    hang in collectives waiting for it), so a death, or no answer within worker_timeout_s,
+    stops the run; the checkpoint on disk is the consistent state to go on from."""
+    refs = [getattr(w, method).remote(*args) for w in self.workers]
+    pending, ray = list(refs), self._ray
     try:
-      return self._ray.get([getattr(w, method).remote(*args) for w in self.workers])
-    except self._ray.exceptions.RayTaskError as e:
+      while pending:  # wait on whichever finishes first: a dead process's call fails at once
+        done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout)
+        if not done:
+          raise ray.exceptions.GetTimeoutError(f"no answer in {self.timeout:g} s")
+        ray.get(done)
+      return ray.get(refs)
+    except ray.exceptions.RayTaskError as e:
       raise _unwrap(e) from None
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+      self.lost = True
+      raise RunStopped(f"a train process was lost during '{method}' ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                       f"the run stopped. Continue from its last checkpoint: rerun the same command with "
+                       f"--resume --workdir={self.workdir}") from None
 
   def step(self, batch) -> dict:
     metrics = self._all("step", self._ray.put(batch))[0]
@@ -113,7 +129,11 @@ class RayTrainSide:
     return {"role": "train", "backend": "ray", "mesh": self.mesh, "processes": self._all("describe")}
 
   def close(self):
-    self._all("close")
+    if not self.lost:  # else the survivors may hang in a collective: killing them is the close
+      try:
+        self._all("close")
+      except RunStopped:
+        pass
     for w in self.workers:
       self._ray.kill(w)
 

@@ -11,9 +11,10 @@ Measured-run JSON (one record, a list of records, or {"records": [...]} per file
 `batch` is the sequences one replica decodes together, `context` their mean length during the
 measurement; `decode_tokens_per_s` is summed over the pool's `data` replicas.
 
-The cost model predicts time = roofline / efficiency + comm + overhead, linear in
-(1/efficiency, overhead), so both are fitted per device type and pool by non-negative least
-squares on relative error. With one distinct operating point only the efficiency is fitted.
+The cost model predicts time = sum of roofline parts / their efficiencies + comm + overhead
+(train: one part; decode: weight matmuls and attention), linear in (1/efficiency..., overhead),
+so all are fitted per device type and pool by non-negative least squares on relative error.
+With too few distinct operating points only the first efficiency is fitted.
 """
 import dataclasses
 import json
@@ -30,9 +31,10 @@ FIELDS = {
     "train": ("device_type", "devices", "mesh", "model", "seq_len", "tokens_per_step", "tokens_per_s"),
     "rollout": ("device_type", "devices", "mesh", "model", "batch", "context", "decode_tokens_per_s"),
 }
-# (efficiency field, overhead field) in the catalog for each pool.
-FACTORS = {"train": ("train_mfu", "train_overhead_s"), "rollout": ("rollout_eff", "decode_overhead_s")}
-
+# (efficiency fields, one per roofline part of TimeParts, overhead field) in the catalog for each pool.
+FACTORS = {"train": (("train_mfu",), "train_overhead_s"),
+           "rollout": (("rollout_eff", "attention_eff"), "decode_overhead_s")}
+PARTS = ("roofline_s", "attention_s")  # the roofline parts the efficiency fields divide, in order
 
 def load_measurements(paths) -> list:
   records = []
@@ -94,18 +96,40 @@ def calibrate(records, catalog) -> tuple:
     dev = catalog[kind]
     rows = [predict(r, dev) for r in recs]
     measured = np.array([t for t, _ in rows])
-    roofline = np.array([p.roofline_s for _, p in rows])
+    eff_fields, over_field = FACTORS[pool]
+    per_unit = np.array([predict(r, dataclasses.replace(dev, **{over_field: 1.0}))[1].overhead_s for r in recs])
+    parts = np.array([[getattr(p, part) for part in PARTS[:len(eff_fields)]] for _, p in rows])  # [records, parts]
     target = (measured - np.array([p.comm_s for _, p in rows])) / measured
-    eff_field, over_field = FACTORS[pool]
-    if len(set(np.round(roofline, 15))) > 1:
-      a, b = np.column_stack([roofline / measured, 1 / measured]), target
-      (inv_eff, overhead), _ = nnls(a, b)
-    else:  # one operating point: keep the catalog's overhead, fit the efficiency alone
-      overhead = getattr(dev, over_field)
-      inv_eff = max(np.mean((target - overhead / measured) * measured / roofline), 0.0)
-    overlay[kind] = dict(overlay.get(kind, {}), **{eff_field: float(1 / max(inv_eff, 1e-9)),
-                                                   over_field: float(overhead)})
+    effs, overhead = _fit(parts, per_unit, measured, target, [getattr(dev, f) for f in eff_fields],
+                          getattr(dev, over_field))
+    overlay[kind] = dict(overlay.get(kind, {}), **dict(zip(eff_fields, effs)), **{over_field: overhead})
   return {"devices": overlay}, error_report(records, catalog, {"devices": overlay})
+
+
+def _fit(parts, per_unit, measured, target, effs, overhead):
+  """Least squares on relative error, non-negative: target = sum_i parts_i / (eff_i * measured)
+  + overhead * per_unit / measured. A part the records cannot separate from the others (too few
+  distinct operating points) or do not show (its 1/eff fits to 0) keeps its catalog factor;
+  with one distinct point only the first efficiency is fitted, at the catalog's overhead.
+  -> (efficiencies, overhead)."""
+  effs, free = list(effs), list(range(len(effs)))
+  while free:
+    known = sum(parts[:, i] / effs[i] for i in range(len(effs)) if i not in free) / measured
+    if len({tuple(r) for r in np.round(parts[:, free], 15)}) > len(free):
+      *inv, fitted_overhead = nnls(np.column_stack([parts[:, free] / measured[:, None], per_unit / measured]),
+                                   target - known)[0]
+    elif len(free) > 1:
+      free.pop()
+      continue
+    else:
+      fitted_overhead = overhead
+      inv = [max(np.mean((target - known - overhead * per_unit / measured) * measured / parts[:, free[0]]), 0.0)]
+    if all(v > 0 for v in inv) or len(free) == 1:
+      for i, v in zip(free, inv):
+        effs[i] = float(1 / max(v, 1e-9))
+      return effs, float(fitted_overhead)
+    free = [i for i, v in zip(free, inv) if v > 0]
+  return effs, float(overhead)
 
 
 def error_report(records, catalog, overlay) -> list:

@@ -19,7 +19,7 @@ SPEC_FIELDS = {
     "price_per_hour": "USD per chip-hour",
     "chips_per_host": "chips in one host",
 }
-EFFICIENCY_FIELDS = ("train_mfu", "rollout_eff", "train_overhead_s", "decode_overhead_s")
+EFFICIENCY_FIELDS = ("train_mfu", "rollout_eff", "attention_eff", "train_overhead_s", "decode_overhead_s")
 PLATFORMS = ("tpu", "gpu", "cpu")
 
 
@@ -36,6 +36,7 @@ class Device:
   chips_per_host: int
   train_mfu: float
   rollout_eff: float
+  attention_eff: float
   train_overhead_s: float
   decode_overhead_s: float
 

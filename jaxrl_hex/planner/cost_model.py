@@ -108,10 +108,12 @@ class TimeParts:
   comm_s: float
   efficiency: float
   overhead_s: float
+  attention_s: float = 0.0     # decode only: the attention kernels' roofline, at attention_eff
+  attention_eff: float = 1.0
 
   @property
   def total_s(self) -> float:
-    return self.roofline_s / self.efficiency + self.comm_s + self.overhead_s
+    return self.roofline_s / self.efficiency + self.attention_s / self.attention_eff + self.comm_s + self.overhead_s
 
 
 def _collective_bytes(payload, group) -> float:
@@ -168,12 +170,15 @@ def train_time(m: ModelCost, dev, layout: TrainLayout, tokens: float, seq_len: i
 
 
 def train_layouts(m: ModelCost, dev, n: int, seq_len: int):
-  """Layouts of n chips that fit in memory; tensor stays inside a host and divides the heads."""
+  """Layouts of n chips that fit in memory and shard evenly (meshes.DEFAULT_RULES: fsdp splits
+  d_model; tensor splits heads, KV heads, MLP and vocab, inside one host)."""
   usable = MEMORY_HEADROOM * dev.hbm_bytes
   for t in _divisors(n):
-    if t > dev.chips_per_host or m.n_heads % t:
+    if t > dev.chips_per_host or any(dim % t for dim in (m.n_heads, m.n_kv_heads, m.mlp_dim, m.vocab)):
       continue
     for f in _divisors(n // t):
+      if m.d_model % f:
+        continue
       layout = TrainLayout(n // (t * f), f, t)
       if train_memory(m, layout, seq_len) <= usable:
         yield layout
@@ -229,14 +234,16 @@ def kv_capacity(m: ModelCost, dev, tensor: int) -> float:
 
 
 def decode_time(m: ModelCost, dev, tensor: int, batch: int, context: float) -> TimeParts:
-  """One decode step of `batch` sequences at mean `context`: weights plus KV read over HBM,
-  or the FLOPs if those dominate, plus 2 tensor all-reduces per layer."""
-  read = m.weight_bytes / tensor + batch * context * _kv_per_chip(m, tensor)
-  flops = (2.0 * m.params * batch + m.attn_flops(batch, context)) / tensor
-  roofline = max(read / dev.hbm_bw, flops / dev.flops)
+  """One decode step of `batch` sequences at mean `context`: the weight matmuls (weights read
+  over HBM, or their FLOPs once the batch is large enough) and then attention (the KV cache
+  read, or its FLOPs) -- two kernel classes one after the other, each at its own roofline and
+  efficiency -- plus 2 tensor all-reduces and a fixed launch overhead per layer."""
+  matmuls = max(m.weight_bytes / tensor / dev.hbm_bw, 2.0 * m.params * batch / tensor / dev.flops)
+  attention = max(batch * context * _kv_per_chip(m, tensor) / dev.hbm_bw,
+                  m.attn_flops(batch, context) / tensor / dev.flops)
   act = batch * m.d_model * m.act_bytes
   comm = 2 * m.n_layers * 2 * _collective_bytes(act, tensor) / dev.group_bw(tensor)
-  return TimeParts(roofline, comm, dev.rollout_eff, dev.decode_overhead_s)
+  return TimeParts(matmuls, comm, dev.rollout_eff, dev.decode_overhead_s * m.n_layers, attention, dev.attention_eff)
 
 
 def prefill_time(m: ModelCost, dev, tensor: int, prompt_len: int) -> TimeParts:

@@ -131,3 +131,45 @@ def test_killed_rollout_process_is_replaced_and_no_prompt_is_lost_or_repeated(wa
   stream = PromptStream(rt.task.train, SMALL["rollout.prompts_per_step"], seed=0)
   for r in rows:
     assert r["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])
+
+
+def test_killed_trainer_stops_the_run_and_resume_finishes_it_exactly(warm_workdir, tmp_path):
+  """A lost train process stops the run with a one-line message (its peers cannot go on alone);
+  --resume restarts the whole cluster from the last checkpoint and every batch of the finished
+  run holds exactly the prompts an undisturbed stream hands out."""
+  workdir = tmp_path / "run"
+  steps = 8
+  cmd = [sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
+         f"--config.mesh_file={RAY_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
+         f"--config.train.steps={steps}", "--config.train.eval_every=100", "--config.train.checkpoint_every=2",
+         *[f"--config.{k}={v}" for k, v in SMALL.items()]]
+  env = dict(os.environ, JAXRL_HEX_QUIET="1")
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  metrics = workdir / "metrics.jsonl"
+  killed = None
+  deadline = time.time() + 600
+  while proc.poll() is None and time.time() < deadline:
+    done = [r for r in read_jsonl(metrics) if r.get("phase") == "train"] if metrics.exists() else []
+    if killed is None and len(done) >= 5:
+      killed = json.load(open(workdir / "cluster.json"))["train"]["processes"][1]["pid"]
+      os.kill(killed, signal.SIGKILL)
+    time.sleep(0.2)
+  out = proc.communicate()[0].decode()
+  assert killed is not None
+  assert proc.returncode == 3, out[-3000:]
+  assert "a train process was lost" in out and "--resume" in out and "Traceback" not in out
+  stopped_at = len([r for r in read_jsonl(metrics) if r.get("phase") == "train" and "prompt_ids" in r])
+  assert stopped_at < steps
+
+  resumed = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+  rows = [r for r in read_jsonl(metrics) if r.get("phase") == "train" and "prompt_ids" in r]
+  first_resumed = rows[stopped_at]["batch"]
+  assert first_resumed % 2 == 0 and 0 < first_resumed <= stopped_at  # from the last checkpoint
+  assert [r["batch"] for r in rows[stopped_at:]] == list(range(first_resumed, steps))
+  final = {r["batch"]: r for r in rows}  # a batch trained twice counts once: the resumed run's
+  from jaxrl_hex.data.prompts import PromptStream
+  stream = PromptStream(build_runtime(load_config(**SMALL)).task.train, SMALL["rollout.prompts_per_step"], seed=0)
+  for b in range(steps):
+    assert final[b]["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])
+  assert json.load(open(workdir / "summary.json"))["steps"] == steps - first_resumed

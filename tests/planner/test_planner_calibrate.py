@@ -23,17 +23,17 @@ def synthetic_runs(truth, noise=0.05, seed=0):
     step = cm.train_time(m, truth, cm.TrainLayout(1, 2, 2), tokens, 64).total_s * rng.uniform(1 - noise, 1 + noise)
     out.append({"pool": "train", "device_type": "cpu", "devices": 4, "mesh": {"fsdp": 2, "tensor": 2},
                 "model": TINY, "seq_len": 64, "tokens_per_step": tokens, "tokens_per_s": tokens / step})
-  for batch in (8, 32, 128):
-    step = cm.decode_time(m, truth, 2, batch, 40).total_s * rng.uniform(1 - noise, 1 + noise)
+  for batch, context in ((8, 40), (32, 40), (128, 40), (32, 400)):
+    step = cm.decode_time(m, truth, 2, batch, context).total_s * rng.uniform(1 - noise, 1 + noise)
     out.append({"pool": "rollout", "device_type": "cpu", "devices": 4, "mesh": {"data": 2, "tensor": 2},
-                "model": TINY, "batch": batch, "context": 40, "decode_tokens_per_s": 2 * batch / step})
+                "model": TINY, "batch": batch, "context": context, "decode_tokens_per_s": 2 * batch / step})
   return out
 
 
 def test_calibration_fits_cpu8_within_25_percent(tmp_path):
   cat = load_catalog()
   truth = dataclasses.replace(cat["cpu"], train_mfu=0.23, train_overhead_s=0.004, rollout_eff=0.05,
-                              decode_overhead_s=0.0008)
+                              attention_eff=0.02, decode_overhead_s=0.0004)
   path = tmp_path / "measured.json"
   path.write_text(json.dumps({"records": synthetic_runs(truth)}))
   overlay, report = cal.calibrate(cal.load_measurements([path]), cat)
@@ -42,6 +42,7 @@ def test_calibration_fits_cpu8_within_25_percent(tmp_path):
   fitted = overlay["devices"]["cpu"]
   assert fitted["train_mfu"] == pytest.approx(0.23, rel=0.2)
   assert fitted["rollout_eff"] == pytest.approx(0.05, rel=0.2)
+  assert fitted["attention_eff"] == pytest.approx(0.02, rel=0.2)
   # The overlay is a catalog file: planning with it reproduces the calibrated predictions.
   extra = tmp_path / "cpu-calibrated.yaml"
   extra.write_text(json.dumps(overlay))

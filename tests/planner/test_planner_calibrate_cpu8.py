@@ -56,7 +56,8 @@ def test_measured_runs_are_records_that_calibrate(c8, tmp_path):
 def test_write_catalog_changes_only_the_cpu_factors(c8, tmp_path):
   path = tmp_path / "catalog.yaml"
   path.write_text(CATALOG_PATH.read_text())
-  factors = {"train_mfu": 0.0123, "rollout_eff": 0.0456, "train_overhead_s": 0.0021, "decode_overhead_s": 0.00031}
+  factors = {"train_mfu": 0.0123, "rollout_eff": 0.0456, "attention_eff": 0.0789, "train_overhead_s": 0.0021,
+             "decode_overhead_s": 0.00031}
   for note in ("on day 1", "on day 2"):  # a rerun replaces its own lines
     c8.write_catalog(factors, note, path)
   old, new = CATALOG_PATH.read_text(), path.read_text()

@@ -23,7 +23,11 @@ def test_simulated_throughput_matches_plan():
   p, spec = spec_for({"H800": 4, "H20": 4})
   r = simulate(spec, steps=12)
   assert r.steps == 12
-  assert r.gen_tokens_per_s == pytest.approx(p.gen_tokens_per_s, rel=0.15)
+  # The plan charges the reward once per step after the rollout makespan (AReaL-Hex's
+  # C_rollout + C_reward); the simulator rewards each trajectory as it finishes, overlapped with
+  # generation. So it is never slower, and faster by at most the reward's share of the step.
+  hidden_reward = p.step_s / (p.step_s - W.reward_s)
+  assert p.gen_tokens_per_s * 0.95 <= r.gen_tokens_per_s <= p.gen_tokens_per_s * hidden_reward * 1.1
   assert 0 <= r.trainer_idle_frac < 1 and 0 <= r.rollout_idle_frac < 1 and 0 < r.rollout_slot_util <= 1
 
 
