@@ -75,7 +75,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.cluster = ml_collections.ConfigDict(dict(
       backend="local",            # local: pools are device subsets of this process; ray: Ray actors
       ray_address="",             # "" starts a local Ray; else host:port, ray://host:port or auto
-      worker_timeout_s=300.0,     # a worker call (rollout or train) running longer than this counts as lost
+      worker_timeout_s=300.0,     # a rollout call running longer than this counts as a lost worker
+      train_timeout_s=1800.0,     # a train call (step, publish, save) longer than this: a lost train process
       max_restarts=10))           # lost rollout workers replaced before the run gives up
   # metrics.jsonl always; TensorBoard under WORKDIR/tb; W&B when a project is named (needs `pip install wandb`)
   c.log = ml_collections.ConfigDict(dict(tensorboard=True, wandb_project="", wandb_entity="", wandb_run_name=""))

@@ -67,10 +67,12 @@ class Orchestrator:
     for w in workers:
       w.join()
 
-  def _generate_scored(self, records, index, handle):
+  def _generate_scored(self, records, index, handle, generated=None):
     group = self.cfg.rollout.group_size
     rollout, receive_span = self.rollout.generate(records, group, self.cfg.seed, index, handle)
     t1 = time.time()
+    if generated is not None and not self.cfg.algo.dynamic_sampling:
+      generated()  # the replica takes the next batch while this one is scored
     tok = self.rt.tokenizer
     completions = [tok.decode(row[m]) for row, m in zip(rollout.completion, rollout.completion_mask)]
     rollout.rewards = self.scorer([r["prompt"] for r in records for _ in range(group)], completions,
@@ -78,9 +80,17 @@ class Orchestrator:
     return rollout, receive_span, t1
 
   def _produce(self, k, records, data_state, handle, slots):
+    released = False
+
+    def free_replica():
+      nonlocal released
+      if not released:
+        released = True
+        slots.release()
+
     try:
       t0 = time.time()
-      rollout, receive_span, t1 = self._generate_scored(records, k, handle)
+      rollout, receive_span, t1 = self._generate_scored(records, k, handle, free_replica)
       stats = {}
       if self.cfg.algo.dynamic_sampling:  # DAPO: draw more prompts until the batch has enough informative groups
         groups = GroupFilter(self.cfg.rollout.prompts_per_step, self.cfg.algo.dynamic_sampling_max_rounds)
@@ -105,7 +115,7 @@ class Orchestrator:
     except BaseException as e:
       self.buffer.close(e)
     finally:
-      slots.release()
+      free_replica()
 
   # ---- train side ---------------------------------------------------------------------------
   def run(self, progress_title="train"):

@@ -99,5 +99,8 @@ def test_kill_and_resume_continues_with_the_same_batches_and_losses(tmp_path, wa
   for r in resumed:
     want = whole[r["step"]]
     assert r["batch"] == want["batch"] and r["policy_version"] == want["policy_version"]
-    assert r["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    # GRPO's loss is ~0 (advantages cancel within a group): compare it at fp32 rounding of its
+    # O(1) terms, and the gradient norm, which is not ~0, tightly
+    assert r["loss"] == pytest.approx(want["loss"], abs=1e-6)
+    assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert r["reward_mean"] == want["reward_mean"]

@@ -4,7 +4,9 @@ runtime. Trajectories and weight handles travel through Ray.
 
 A rollout worker that dies or runs past cluster.worker_timeout_s is replaced, and the batch it
 held is generated again by the replacement with the newest weights: prompts are bound to a
-batch before generation, so each is consumed exactly once.
+batch before generation, so each is consumed exactly once. A train process that dies or runs
+past cluster.train_timeout_s stops the run (RunStopped); --resume continues it from the last
+checkpoint with a fresh cluster.
 """
 import queue
 import socket
@@ -84,13 +86,13 @@ class RayTrainSide:
       raise _unwrap(e) from None
     self.version, self.meta, self.warmstart = started["version"], started["meta"], started["warmstart"]
     self.sync_seconds = 0.0
-    self.mesh, self.workdir, self.timeout = spec.axes, workdir, rt.cfg.cluster.worker_timeout_s
+    self.mesh, self.workdir, self.timeout = spec.axes, workdir, rt.cfg.cluster.train_timeout_s
     self.lost = False
     self._ray = ray
 
   def _all(self, method, *args):
     """`method` on every train process. One lost process cannot be replaced alone (its peers
-    hang in collectives waiting for it), so a death, or no answer within worker_timeout_s,
+    hang in collectives waiting for it), so a death, or no answer within train_timeout_s,
     stops the run; the checkpoint on disk is the consistent state to go on from."""
     refs = [getattr(w, method).remote(*args) for w in self.workers]
     pending, ray = list(refs), self._ray
