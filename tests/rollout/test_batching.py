@@ -169,7 +169,7 @@ def test_stop_string_split_across_tokens(pools, weights):
   (cut,) = run(engine, [Request("12+34=", max_tokens=12, stop=(stop,))])
   assert cut.finish_reason == "stop" and not cut.truncated
   assert cut.text == text[:end] and cut.tokens.tolist() == free.tokens[:end].tolist()
-  np.testing.assert_allclose(cut.logprobs, free.logprobs[:end])
+  np.testing.assert_allclose(cut.logprobs, free.logprobs[:end], rtol=1e-6)  # same tokens; fp32 rounding of threaded reductions
 
 
 def test_memory_is_reported_and_a_cache_that_does_not_fit_is_refused(pools, weights):

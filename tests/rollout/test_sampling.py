@@ -52,3 +52,16 @@ def test_min_p_drops_tokens_below_a_share_of_the_best():
   assert set(np.unique(tokens)) == {0, 1, 2}
   share = np.bincount(np.asarray(tokens), minlength=5)[:3] / len(tokens)
   np.testing.assert_allclose(share, probs[:3] / probs[:3].sum(), atol=0.04)
+
+
+def test_inverse_cdf_draw_follows_softmax_and_never_picks_excluded_tokens():
+  from jaxrl_hex.rollout.sampling import inverse_cdf_sample
+  row = jnp.array([-jnp.inf, 1.0, -jnp.inf, 0.0, 2.0, -jnp.inf])  # excluded first, middle and last
+  tokens = np.asarray(inverse_cdf_sample(jnp.tile(row, (20000, 1)), jax.random.key(6)))
+  freq = np.bincount(tokens, minlength=6) / len(tokens)
+  assert freq[0] == freq[2] == freq[5] == 0
+  np.testing.assert_allclose(freq, jax.nn.softmax(row), atol=0.012)  # ~3.5 sigma at 20k draws
+  # rows draw independently: two identical rows do not always agree
+  pair = np.asarray(inverse_cdf_sample(jnp.tile(row, (2, 1)), jax.random.key(7)))
+  many = [np.asarray(inverse_cdf_sample(jnp.tile(row, (2, 1)), jax.random.key(s))) for s in range(40)]
+  assert len(pair) == 2 and any(a != b for a, b in many)
