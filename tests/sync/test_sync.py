@@ -6,6 +6,7 @@ from jaxrl_hex.errors import UserError
 from jaxrl_hex.models import Policy
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.sync import Handle, make_sync
+from jaxrl_hex.sync import direct
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 
@@ -35,7 +36,7 @@ def test_resharding_preserves_every_value(pools, method, tmp_path):
     assert sync.receive(Handle(1))[0] == 4
 
 
-def test_direct_sync_through_the_object_store(pools, ray_session):
+def test_direct_sync_through_the_object_store(pools, ray_session, monkeypatch):
   policy = Policy.build(CFG)
   train_sh = pools["train"].shardings_for(policy.logical_axes(), policy.shapes())
   rollout_sh = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
@@ -47,6 +48,13 @@ def test_direct_sync_through_the_object_store(pools, ray_session):
   assert version == 7
   assert_same_values(got, params)
   assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), got, rollout_sh))
+  refs = lambda h: {ref for shards in h.payload.values() for _, (ref, _) in shards}
+  assert len(refs(handle)) == 1  # a small model is one object-store put
+  # chunks smaller than a shard: one object per shard, and the values still arrive whole
+  monkeypatch.setattr(direct, "CHUNK_BYTES", 1)
+  handle = make_sync("direct", policy.shapes()).publish(8, params)
+  assert len(refs(handle)) == sum(len(shards) for shards in handle.payload.values())
+  assert_same_values(make_sync("direct", policy.shapes(), rollout_sh).receive(handle)[1], params)
 
 
 def test_unwritable_sync_directory_is_refused(tmp_path):
