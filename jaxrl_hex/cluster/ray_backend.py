@@ -63,9 +63,9 @@ def _unwrap(error):
   return error
 
 
-def _actor(cls, spec):
+def _actor(cls, spec, **extra):
   import ray
-  options = {"num_cpus": 0, **spec.ray_options}  # scheduling only; pinning is `affinity`
+  options = {"num_cpus": 0, **extra, **spec.ray_options}  # scheduling only; pinning is `affinity`
   return ray.remote(cls).options(**options)
 
 
@@ -104,12 +104,27 @@ class RayTrainSide:
         ray.get(done)
       return ray.get(refs)
     except ray.exceptions.RayTaskError as e:
+      # a peer's death often surfaces first as a failed collective in a survivor
+      if not isinstance(e.cause, UserError) and self._any_died(refs):
+        self._stop(method, f"a peer died; the survivors' collectives failed: {str(e.cause).splitlines()[0]}")
       raise _unwrap(e) from None
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-      self.lost = True
-      raise RunStopped(f"a train process was lost during '{method}' ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                       f"the run stopped. Continue from its last checkpoint: rerun the same command with "
-                       f"--resume --workdir={self.workdir}") from None
+      self._stop(method, f"{type(e).__name__}: {str(e).splitlines()[0]}")
+
+  def _any_died(self, refs, wait_s=10.0) -> bool:
+    for ref in refs:
+      try:
+        self._ray.get(ref, timeout=wait_s)
+      except self._ray.exceptions.RayActorError:
+        return True
+      except (self._ray.exceptions.RayTaskError, self._ray.exceptions.GetTimeoutError):
+        continue  # failed, or still hanging in a collective: not a death
+    return False
+
+  def _stop(self, method, why):
+    self.lost = True
+    raise RunStopped(f"a train process was lost during '{method}' ({why}); the run stopped. Continue from its "
+                     f"last checkpoint: rerun the same command with --resume --workdir={self.workdir}") from None
 
   def step(self, batch) -> dict:
     metrics = self._all("step", self._ray.put(batch))[0]
@@ -151,7 +166,7 @@ class RayRolloutSide:
     self.timeout = rt.cfg.cluster.worker_timeout_s
     self.max_restarts = rt.cfg.cluster.max_restarts
     self._args = (rt.cfg.to_json_best_effort(), workdir)
-    self._cls = _actor(RolloutWorker, self.spec)
+    self._cls = _actor(RolloutWorker, self.spec, max_concurrency=2)  # offer() lands during generate()
     self.workers = [self._cls.remote(*self._args) for _ in range(self.replicas)]
     try:
       ray.get([w.ready.remote() for w in self.workers])
@@ -193,7 +208,11 @@ class RayRolloutSide:
       self.on_restart()
 
   def offer(self, handle):
-    """Replicas load new weights between batches (the next generate's handle), not mid-batch."""
+    """Every replica gets the newest weights' handle at once, also while it generates: in-flight
+    sequences switch at the engine's next hand-back (rollout.interrupt), as in the local backend.
+    Fire and forget: a lost replica's replacement starts from the next generate's handle."""
+    for worker in self.workers:
+      worker.offer.remote(handle)
 
   def generate(self, records, group_size, seed, batch_index, handle):
     return self._call("generate", records, group_size, seed, batch_index, handle)

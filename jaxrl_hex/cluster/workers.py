@@ -122,6 +122,11 @@ class RolloutWorker:
   def describe(self) -> dict:
     return _describe()
 
+  def offer(self, handle):
+    """Runs beside generate() (the actor takes two calls at once): the engine picks it up at its
+    next hand-back."""
+    self.side.offer(handle)
+
   def receive(self, handle) -> int:
     """Load the weights of `handle` now (otherwise they load at the next generate)."""
     self.side._refresh(self.side.engine, handle)

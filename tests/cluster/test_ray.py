@@ -72,6 +72,17 @@ def test_two_process_trainer_matches_one_process_and_sync_preserves_values(
     local_params = jax.device_get(local.trainer.params)
     for a, b in zip(jax.tree.leaves(sent), jax.tree.leaves(local_params)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    # weights offered while a replica generates reach it within that batch (interruptible generation)
+    train.step(batch)
+    newer = train.publish()
+    many = [dict(r, index=i) for i, r in enumerate(rt.task.train[:256])]
+    pending = worker.generate.remote(many, 8, 0, 1, handle)  # started on version 1
+    ray.get(worker.offer.remote(newer), timeout=60)           # served beside the running generate
+    assert not ray.wait([pending], timeout=0)[0], "generation ended before the offer: make it longer"
+    out, _ = ray.get(pending)
+    versions = set(out.versions[out.completion_mask].tolist())
+    assert versions <= {1, 2} and 2 in versions
   finally:
     train.close()
     rollout.close()
