@@ -149,7 +149,7 @@ def test_killed_trainer_stops_the_run_and_resume_finishes_it_exactly(warm_workdi
   --resume restarts the whole cluster from the last checkpoint and every batch of the finished
   run holds exactly the prompts an undisturbed stream hands out."""
   workdir = tmp_path / "run"
-  steps = 6
+  steps = 10
   cmd = [sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
          f"--config.mesh_file={RAY_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
          f"--config.train.steps={steps}", "--config.train.eval_every=100", "--config.train.checkpoint_every=2",
@@ -161,7 +161,8 @@ def test_killed_trainer_stops_the_run_and_resume_finishes_it_exactly(warm_workdi
   deadline = time.time() + 600
   while proc.poll() is None and time.time() < deadline:
     done = [r for r in read_jsonl(metrics) if r.get("phase") == "train"] if metrics.exists() else []
-    if killed is None and len(done) >= 4:
+    # mid-run, once a checkpoint is complete (saves are asynchronous: one in flight is lost)
+    if killed is None and len(done) >= 4 and (workdir / "checkpoints" / "2").exists():
       killed = json.load(open(workdir / "cluster.json"))["train"]["processes"][1]["pid"]
       os.kill(killed, signal.SIGKILL)
     time.sleep(0.2)
