@@ -71,7 +71,7 @@ class Orchestrator:
     group = self.cfg.rollout.group_size
     rollout, receive_span = self.rollout.generate(records, group, self.cfg.seed, index, handle)
     t1 = time.time()
-    if generated is not None and not self.cfg.algo.dynamic_sampling:
+    if generated is not None:
       generated()  # the replica takes the next batch while this one is scored
     tok = self.rt.tokenizer
     completions = [tok.decode(row[m]) for row, m in zip(rollout.completion, rollout.completion_mask)]
@@ -90,7 +90,9 @@ class Orchestrator:
 
     try:
       t0 = time.time()
-      rollout, receive_span, t1 = self._generate_scored(records, k, handle, free_replica)
+      # dynamic sampling may generate again for this batch: it keeps the replica until done
+      rollout, receive_span, t1 = self._generate_scored(
+          records, k, handle, None if self.cfg.algo.dynamic_sampling else free_replica)
       stats = {}
       if self.cfg.algo.dynamic_sampling:  # DAPO: draw more prompts until the batch has enough informative groups
         groups = GroupFilter(self.cfg.rollout.prompts_per_step, self.cfg.algo.dynamic_sampling_max_rounds)

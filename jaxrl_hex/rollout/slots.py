@@ -34,7 +34,8 @@ def init_state(cfg, slots: int, length: int, cache_dtype):
 
 
 def state_shardings(pool, cfg, slots: int, length: int):
-  layer = tuple(pool.sharding(axes, shape, "KV cache") for axes, shape in zip(CACHE_AXES, cache_shapes(cfg, slots, length)))
+  layer = tuple(pool.sharding(axes, shape, "KV cache")
+                for axes, shape in zip(CACHE_AXES, cache_shapes(cfg, slots, length)))
   out = {k: pool.sharding(ax) for k, ax in STATE_AXES.items()}
   out["cache"] = [layer] * cfg.n_layers
   return out

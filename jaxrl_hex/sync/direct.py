@@ -48,23 +48,27 @@ class DirectSync:
     import ray
     start = time.perf_counter()
     piece, chunk, waiting = {}, [], []  # waiting: (leaf's entry list, bounds) of each shard in chunk
+    chunk_bytes = 0
 
     def flush():
+      nonlocal chunk_bytes
       if chunk:
         ref = ray.put(list(chunk))
         for position, (entry, bounds) in enumerate(waiting):
           entry.append((bounds, (ref, position)))
         chunk.clear()
         waiting.clear()
+        chunk_bytes = 0
 
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       entry = piece.setdefault(_key(path), [])
       for s in leaf.addressable_shards:
         if s.replica_id == 0:
           data = np.asarray(s.data)
-          if chunk and sum(c.nbytes for c in chunk) + data.nbytes > CHUNK_BYTES:
+          if chunk and chunk_bytes + data.nbytes > CHUNK_BYTES:
             flush()
           chunk.append(data)
+          chunk_bytes += data.nbytes
           waiting.append((entry, _bounds(s.index, leaf.shape)))
     flush()
     self.last_seconds = time.perf_counter() - start
