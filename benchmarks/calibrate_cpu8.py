@@ -131,7 +131,7 @@ def rollout_point(pool, name, batch, context, held_out) -> Point:
 
   def calls(params, state, live, rng):
     state = _rewind(state, start)
-    return S.decode(policy, sampling, (-1,), DECODE_STEPS, params, state, live, rng, False)
+    return S.decode(policy, sampling, (-1,), DECODE_STEPS, length, params, state, live, rng, False)
 
   fn = jax.jit(calls, in_shardings=(param_shardings, state_shardings, replicated, replicated),
                out_shardings=(state_shardings,) + (replicated,) * 5, donate_argnums=(1,))

@@ -5,7 +5,7 @@ import typing
 import jax
 from flax import nnx
 
-from jaxrl_hex.models.decoder import (CACHE_AXES, CACHE_LENGTH_AXES, Decoder, cache_shapes, causal_mask,  # noqa: F401
+from jaxrl_hex.models.decoder import (CACHE_AXES, CACHE_LENGTH_AXES, Decoder, cache_shapes, causal_mask, rope_tables,  # noqa: F401
                                       extend_cache, init_cache)
 
 
@@ -36,9 +36,9 @@ class Policy:
       return nnx.to_pure_dict(nnx.split(Decoder(self.cfg, nnx.Rngs(seed)))[1])
     return jax.jit(make, out_shardings=shardings)()
 
-  def apply(self, params, tokens, positions, mask, cache=None, cache_index=0, key_positions=None):
-    """-> (logits [B, T, vocab] fp32, cache). key_positions [B, S]: see models.decoder (sliding windows)."""
-    return self.module(params)(tokens, positions, mask, cache, cache_index, key_positions)
+  def apply(self, params, tokens, positions, mask, cache=None, cache_index=0, key_positions=None, rope_tables=None):
+    """-> (logits [B, T, vocab] fp32, cache). key_positions [B, S], rope_tables: see models.decoder."""
+    return self.module(params)(tokens, positions, mask, cache, cache_index, key_positions, rope_tables)
 
   def module(self, params) -> Decoder:
     """The nnx Decoder holding `params` (no copy)."""

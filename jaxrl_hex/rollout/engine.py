@@ -145,6 +145,7 @@ class Engine:
     self._live = np.zeros(self.num_slots, bool)
     self._finished = []
     self._state = None
+    self._t = 0                                # the ring column the next decode step writes (state["t"])
     self.greedy = False                        # sample at temperature 0 (argmax)
     self._chunks = 0
 
@@ -263,20 +264,24 @@ class Engine:
     if self._state is None:
       self._state = jax.jit(functools.partial(S.init_state, self.policy.cfg, self.num_slots, self.length,
                                               self.cache_dtype), out_shardings=self._state_shardings)()
+    if not self._live.any():  # rewind the ring: prompts end at column max_prompt_len - 1, so decode
+      self._t = self.max_prompt_len - 1  # reads only the columns written so far until the ring wraps
     self._state = self._run(("prefill", n_b, p_b, m_b), functools.partial(S.prefill, self.policy),
-                            self.params, self._state, tokens, lengths, slot_ids, src, max_new)
+                            self.params, self._state, tokens, lengths, slot_ids, src, max_new, np.int32(self._t))
     self._live[taken] = True
 
   def _decode(self, stop_on_finish: bool):
     sampling = dict(self.sampling, temperature=0.0) if self.greedy else self.sampling
-    fn = functools.partial(S.decode, self.policy, sampling, self.eos_ids, self.steps_per_sync)
+    span = self._span(self._t + self.steps_per_sync)
+    fn = functools.partial(S.decode, self.policy, sampling, self.eos_ids, self.steps_per_sync, span)
     rng = jax.random.fold_in(self.rng, self._chunks)
     self._chunks += 1
     self._state, live, tokens, logprobs, emitted, steps = self._run(
-        ("decode", self.greedy), fn, self.params, self._state, self._live, rng, np.bool_(stop_on_finish),
+        ("decode", self.greedy, span), fn, self.params, self._state, self._live, rng, np.bool_(stop_on_finish),
         extra_outputs=5)
     live, tokens, logprobs, emitted, steps = to_host((live, tokens, logprobs, emitted, steps))
     self.decode_steps += int(steps)
+    self._t += int(steps)
     for slot in np.flatnonzero(self._live):
       seq = self._seqs[slot]
       new = emitted[:steps, slot]
@@ -290,6 +295,13 @@ class Engine:
         del seq.tokens[stop_at:], seq.logprobs[stop_at:], seq.versions[stop_at:]
       if reason is not None:
         self._finish(slot, reason)
+
+  def _span(self, end: int) -> int:
+    """Ring columns a decode call attends to when its last step writes column end - 1: a quarter
+    of the ring at a time (few compiles), the whole ring once it has wrapped. Attention reads the
+    cache it spans, so a fresh batch's first steps cost what its short sequences need."""
+    quarter = -(-self.length // 4)
+    return self.length if end > self.length else min(self.length, -(-end // quarter) * quarter)
 
   def _stop_index(self, seq):
     """Token count through the token that completes a stop string (strings may span tokens).

@@ -9,6 +9,10 @@ to attention: RoPE is applied with the token's own position before caching, and 
 marks the columns of the slot's current sequence. Columns also keep their token and position,
 which is all a recompute with new weights needs.
 
+Span. When no slot is live the engine rewinds the ring (the next prompts end at a fixed column),
+so until it wraps the live columns are a prefix: a decode call copies that prefix out, decodes
+on it, and writes it back, and attention, whose cost is the cache it reads, reads only it.
+
 A slot feeds `pending` (first the last prompt token, then each sampled token) at position
 `pos`; its KV is not in the cache yet. So a prefill only has to cache prompt[:-1] and needs no
 logits, and the first decode step of a slot samples its first completion token.
@@ -16,9 +20,10 @@ logits, and the first decode step of a slot samples its first completion token.
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.models import CACHE_AXES, CACHE_LENGTH_AXES, cache_shapes, causal_mask, init_cache
+from jaxrl_hex.models import CACHE_AXES, CACHE_LENGTH_AXES, cache_shapes, causal_mask, init_cache, rope_tables
 from jaxrl_hex.rollout.sampling import sample
 
+RING_FIELDS = ("valid", "col_tok", "col_pos")  # [S, T] per ring column (the cache's length axes: CACHE_LENGTH_AXES)
 STATE_AXES = {  # logical axes of each state field (the cache's: models.CACHE_AXES)
     "valid": ("batch", "length"), "col_tok": ("batch", "length"), "col_pos": ("batch", "length"),
     "pending": ("batch",), "pos": ("batch",), "count": ("batch",), "max_new": ("batch",), "t": (),
@@ -41,16 +46,18 @@ def state_shardings(pool, cfg, slots: int, length: int):
   return out
 
 
-def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new):
+def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new, t):
   """Caches prompts once and hands each to its slots (shared group prefill).
 
   tokens [n, Pb] right-padded prompts with lengths [n]; assignment a puts prompt src[a] into
   slot slot_ids[a] (slot_ids == S marks padding, dropped) with a budget of max_new[a] tokens.
+  t: the ring column the next decode step writes (the engine rewinds it when no slot is live).
   The cache rows are rebuilt by a gather over the prompt KV and a select, not a scatter
   (XLA's scatter runs element by element on CPU).
   """
   n, p_len = tokens.shape
   slots, length = state["valid"].shape
+  state = dict(state, t=t)
   j = jnp.arange(p_len)
   _, kv = policy.apply(params, tokens, jnp.broadcast_to(j, (n, p_len)), causal_mask(j[None] < lengths[:, None]),
                        init_cache(policy.cfg, n, p_len, state["cache"][0][0].dtype), 0)
@@ -80,14 +87,21 @@ def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new):
               count=per_slot(state["count"], 0), max_new=per_slot(state["max_new"], budget))
 
 
-def decode(policy, sampling, eos_ids, max_steps, params, state, live, rng, stop_on_finish):
+def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng, stop_on_finish):
   """Up to max_steps decode steps over all slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
 
+  Attention reads ring columns [0, span) only: the caller promises that every live column and
+  every column these steps write lies there (span = the ring length when it has wrapped).
+
   -> (state, live [S], tokens [K, S], logprobs [K, S], emitted [K, S] bool, steps)
   """
+  full, narrowed = state, span < state["valid"].shape[1]
+  if narrowed:  # the loop runs on the ring's first span columns (copied in and out once per call,
+    state = _narrow(state, span)  # where every step would read the whole cache)
   slots, length = state["valid"].shape
   eos = jnp.asarray(eos_ids, jnp.int32)
+  tables = rope_tables(policy.cfg, length)  # a slot's positions stay below the ring's length
 
   def body(carry):
     i, st, live, out_tok, out_lp, out_em, _, rng = carry
@@ -97,7 +111,7 @@ def decode(policy, sampling, eos_ids, max_steps, params, state, live, rng, stop_
     col_pos = st["col_pos"].at[:, col].set(st["pos"])
     # key_positions: ring columns are not positions (sliding-window layers need the real distance)
     logits, cache = policy.apply(params, st["pending"][:, None], st["pos"][:, None], valid[:, None, :],
-                                 st["cache"], col, key_positions=col_pos)
+                                 st["cache"], col, key_positions=col_pos, rope_tables=tables)
     token, logprob = sample(logits[:, -1], step_rng, **sampling)
     count = st["count"] + live
     finished = live & (jnp.isin(token, eos) | (count >= st["max_new"]))
@@ -115,7 +129,24 @@ def decode(policy, sampling, eos_ids, max_steps, params, state, live, rng, stop_
           jnp.zeros((max_steps, slots), jnp.float32), jnp.zeros((max_steps, slots), bool),
           jnp.bool_(False), rng)
   steps, state, live, tokens, logprobs, emitted, _, _ = jax.lax.while_loop(cond, body, init)
+  if narrowed:
+    state = _widen(state, full)
   return state, live, tokens, logprobs, emitted, steps
+
+
+def _narrow(state, span):
+  """The state on ring columns [0, span) (a copy)."""
+  cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, span, axis=axis)
+  return dict(state, **{k: cut(state[k], 1) for k in RING_FIELDS},
+              cache=[tuple(map(cut, layer, CACHE_LENGTH_AXES)) for layer in state["cache"]])
+
+
+def _widen(narrow, full):
+  """narrow's ring columns written over full's first ones."""
+  put = lambda dest, x, axis: jax.lax.dynamic_update_slice_in_dim(dest, x, 0, axis)
+  return dict(narrow, **{k: put(full[k], narrow[k], 1) for k in RING_FIELDS},
+              cache=[tuple(map(put, dest, layer, CACHE_LENGTH_AXES))
+                     for dest, layer in zip(full["cache"], narrow["cache"])])
 
 
 def recompute(policy, params, state):

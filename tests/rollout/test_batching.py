@@ -4,6 +4,8 @@ Correctness is checked against the trainer: every behaviour logprob must equal
 rl.trainer.token_logprobs of the same tokens under the weights of that token's version, which
 only holds if each refilled slot's KV (and each recomputed KV) is exactly right.
 """
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from jaxrl_hex.models import Policy
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.tokenizer import CharTokenizer
 from jaxrl_hex.rl.trainer import token_logprobs
+from jaxrl_hex.rollout import slots as S
 from jaxrl_hex.rollout.engine import Engine, Request, bucket
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
@@ -108,6 +111,34 @@ def test_shared_group_prefill_equals_separate_prefills(pools, weights):
   assert [s.tokens.tolist() for s in outs[0]] == [s.tokens.tolist() for s in outs[1]]
   np.testing.assert_allclose(np.stack([s.logprobs for s in outs[0]]), np.stack([s.logprobs for s in outs[1]]),
                              atol=1e-5)
+
+
+def test_a_fresh_batch_decodes_on_the_ring_columns_it_has_written(pools, weights):
+  """Decode attends to ring columns [0, span) until the ring wraps: the same tokens, logprobs and
+  state as attending to the whole ring, and the trainer's logprobs across span changes."""
+  policy, params, _ = weights
+  engine = make_engine(pools, policy, slots=4, max_new_tokens=40)  # ring of 56 columns, quarters of 14
+  engine.load_weights(0, params)
+  requests = [Request("12+34=", n=2, max_tokens=40), Request("7=", n=2, max_tokens=23)]
+  engine.submit(requests)
+  engine._admit()
+  span = engine._span(engine._t + engine.steps_per_sync)
+  assert (engine._t, span, engine.length) == (15, 28, 56)
+  state = jax.device_get(engine._state)
+  outs = []
+  for cols in (span, engine.length):
+    decode = jax.jit(functools.partial(S.decode, policy, engine.sampling, NO_EOS, 4, cols))
+    outs.append(jax.device_get(decode(params, state, engine._live, jax.random.key(3), np.bool_(False))))
+  (narrow, *narrow_out), (whole, *whole_out) = outs
+  assert narrow_out[-1] == whole_out[-1] == 4
+  np.testing.assert_array_equal(narrow_out[1], whole_out[1])  # tokens
+  np.testing.assert_allclose(narrow_out[2], whole_out[2], rtol=1e-6)  # logprobs
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), narrow, whole)
+
+  samples = run(engine, [])  # 40 steps from column 15: spans 28, 42 and the whole ring
+  assert {key[2] for key in engine._fns if key[0] == "decode"} == {28, 42, 56}
+  assert sorted(len(s.tokens) for s in samples) == [23, 23, 40, 40]
+  assert_parity(policy, {0: params}, samples)
 
 
 def test_interruption_recomputes_kv_and_keeps_every_token(pools, weights):
