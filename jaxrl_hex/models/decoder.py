@@ -130,9 +130,9 @@ class Attention(nnx.Module):
   def __call__(self, x, rope_tables, mask, cache, cache_index):
     """rope_tables: rope_args -> rope_table(positions, *rope_args), shared by all layers."""
     dt = self.dtype
-    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+    x2 = x.reshape(-1, x.shape[-1])  # [tokens, d_model]: see MLP
+    proj = lambda w: (x2 @ w[...].astype(dt).reshape(w.shape[0], -1)).reshape(x.shape[:2] + w.shape[1:])
+    q, k, v = proj(self.wq), proj(self.wk), proj(self.wv)
     if self.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if self.qk_norm:
@@ -154,7 +154,8 @@ class Attention(nnx.Module):
     scores = jnp.where(mask[:, None, None], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, kv, g * t, -1)
     out = jnp.matmul(probs, values.astype(dt)).reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
-    return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt)), cache
+    wo = self.wo[...].astype(dt)  # [heads, head_dim, d_model]
+    return (out.reshape(b * t, -1) @ wo.reshape(-1, wo.shape[-1])).reshape(b, t, -1), cache
 
 
 class MLP(nnx.Module):
@@ -168,9 +169,12 @@ class MLP(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x):
+    """x [..., d_model], taken as one [tokens, d_model] matrix: with the batch and time axes kept
+    apart, XLA:CPU transposed the activation gradient in a slow fused loop (2x the MLP's backward)."""
     dt = self.dtype
-    h = ACTIVATIONS[self.activation](x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
-    return h @ self.down[...].astype(dt)
+    x2 = x.reshape(-1, x.shape[-1])
+    h = ACTIVATIONS[self.activation](x2 @ self.gate[...].astype(dt)) * (x2 @ self.up[...].astype(dt))
+    return (h @ self.down[...].astype(dt)).reshape(x.shape)
 
 
 class Block(nnx.Module):
