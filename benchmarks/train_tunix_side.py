@@ -4,7 +4,8 @@
   python train_tunix_side.py w4 '{"prompts": 8, "group": 8, "prompt": 32, "new": 64, "steps": 3}'
 
 Prints one JSON line. The model is Tunix's own Qwen3 at the benchmark's tiny shape; the train
-pool is devices 0-3 as (fsdp 2, tp 2), rollout devices 4-7 likewise (8 simulated CPU devices).
+pool is devices 0-3 as (fsdp 2, tp 2), rollout devices 4-7 likewise (8 simulated CPU devices), or
+for w4 with "layout": "1+1", device 0 and device 1 (meshes/cpu-1-1.yaml on our side).
 """
 import json
 import sys
@@ -28,8 +29,11 @@ TINY = dict(num_layers=4, vocab_size=512, embed_dim=256, hidden_dim=1024, num_he
             num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=True)
 
 
-def mesh(devices):
-  return jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("fsdp", "tp"))
+LAYOUTS = {"2x2": ((0, 1, 2, 3), (4, 5, 6, 7), (2, 2)), "1+1": ((0,), (1,), (1, 1))}  # train, rollout, shape
+
+
+def mesh(ids, shape):
+  return jax.sharding.Mesh(np.array([jax.devices()[i] for i in ids]).reshape(shape), ("fsdp", "tp"))
 
 
 def model_on(m):
@@ -43,7 +47,8 @@ def model_on(m):
 
 def w3(seqs, prompt, completion, steps):
   """Tunix's jitted GRPO train step (PeftTrainer + grpo_loss_fn) on fixed 96-token sequences."""
-  train_mesh = mesh(jax.devices()[:4])
+  train, _, shape = LAYOUTS["2x2"]
+  train_mesh = mesh(train, shape)
   model = model_on(train_mesh)
   algo = grpo_learner.GRPOConfig(num_generations=8, beta=0.0, epsilon=0.2, loss_agg_mode="token-mean")
   algo.temperature = 1.0
@@ -91,10 +96,10 @@ class Tokens:
     return PAD
 
 
-def w4(prompts, group, prompt, new, steps):
+def w4(prompts, group, prompt, new, steps, layout="2x2"):
   """Tunix's GRPOLearner: generate on the rollout mesh, score, train on the train mesh, sync."""
-  devices = jax.devices()
-  train_mesh, rollout_mesh = mesh(devices[:4]), mesh(devices[4:8])
+  train, rollout_ids, shape = LAYOUTS[layout]
+  train_mesh, rollout_mesh = mesh(train, shape), mesh(rollout_ids, shape)
   rng = np.random.default_rng(0)
   # an array, not a list: the learner repeats each prompt per sample with tree maps
   data = [{"prompts": np.array([" ".join(map(str, rng.integers(3, 512, prompt - 1))) for _ in range(prompts)])}
