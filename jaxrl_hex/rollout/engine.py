@@ -273,7 +273,8 @@ class Engine:
   def _decode(self, stop_on_finish: bool):
     sampling = dict(self.sampling, temperature=0.0) if self.greedy else self.sampling
     span = self._span(self._t + self.steps_per_sync)
-    fn = functools.partial(S.decode, self.policy, sampling, self.eos_ids, self.steps_per_sync, span)
+    fn = functools.partial(S.decode, self.policy, sampling, self.eos_ids, self.steps_per_sync, span,
+                           logits_sharding=self.pool.sharding(("batch", None)))
     rng = jax.random.fold_in(self.rng, self._chunks)
     self._chunks += 1
     self._state, live, tokens, logprobs, emitted, steps = self._run(

@@ -87,12 +87,16 @@ def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new, t):
               count=per_slot(state["count"], 0), max_new=per_slot(state["max_new"], budget))
 
 
-def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng, stop_on_finish):
+def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng, stop_on_finish,
+           logits_sharding=None):
   """Up to max_steps decode steps over all slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
 
   Attention reads ring columns [0, span) only: the caller promises that every live column and
   every column these steps write lies there (span = the ring length when it has wrapped).
+  logits_sharding: rows over the batch axes, the vocabulary whole on each device. Drawing from
+  vocabulary-sharded logits needs the whole row anyway (the inverse CDF's running sum) plus
+  ~5 small collectives for maxima, sums and the pick; gathered once, the sampler needs none.
 
   -> (state, live [S], tokens [K, S], logprobs [K, S], emitted [K, S] bool, steps)
   """
@@ -112,22 +116,27 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng,
     # key_positions: ring columns are not positions (sliding-window layers need the real distance)
     logits, cache = policy.apply(params, st["pending"][:, None], st["pos"][:, None], valid[:, None, :],
                                  st["cache"], col, key_positions=col_pos, rope_tables=tables)
-    token, logprob = sample(logits[:, -1], step_rng, **sampling)
+    logits = logits[:, -1] if logits_sharding is None else jax.lax.with_sharding_constraint(
+        logits[:, -1], logits_sharding)
+    token, logprob = sample(logits, step_rng, **sampling)
     count = st["count"] + live
     finished = live & (jnp.isin(token, eos) | (count >= st["max_new"]))
     st = dict(st, cache=cache, valid=valid, col_tok=st["col_tok"].at[:, col].set(st["pending"]),
               col_pos=col_pos, pending=token, pos=st["pos"] + 1,
               count=count, t=st["t"] + 1)
-    return (i + 1, st, live & ~finished, out_tok.at[i].set(token), out_lp.at[i].set(logprob),
-            out_em.at[i].set(live), jnp.any(finished), rng)
+    live_next = live & ~finished
+    # (any live, any finished) in one reduction: one collective per step over the batch axes
+    flags = jnp.any(jnp.stack([live_next, finished]), axis=1)
+    return (i + 1, st, live_next, out_tok.at[i].set(token), out_lp.at[i].set(logprob),
+            out_em.at[i].set(live), flags, rng)
 
   def cond(carry):
-    i, _, live, _, _, _, any_finished, _ = carry
-    return (i < max_steps) & jnp.any(live) & ~(any_finished & stop_on_finish)
+    i, _, _, _, _, _, (any_live, any_finished), _ = carry
+    return (i < max_steps) & any_live & ~(any_finished & stop_on_finish)
 
   init = (jnp.int32(0), state, live, jnp.zeros((max_steps, slots), jnp.int32),
           jnp.zeros((max_steps, slots), jnp.float32), jnp.zeros((max_steps, slots), bool),
-          jnp.bool_(False), rng)
+          jnp.stack([jnp.any(live), jnp.bool_(False)]), rng)
   steps, state, live, tokens, logprobs, emitted, _, _ = jax.lax.while_loop(cond, body, init)
   if narrowed:
     state = _widen(state, full)
