@@ -71,24 +71,27 @@ def main():
   prompts = [[1] + rng.integers(3, model["vocab_size"], args.prompt - 1).tolist() for _ in range(args.slots)]
 
   def run(seed):
-    """-> seconds of each hand-back (the first includes the prefill)."""
+    """-> (seconds, ring columns attended) of each hand-back (the first includes the prefill)."""
     engine.rng = jax.random.key(seed)
     engine.submit([Request(p) for p in prompts])
-    times = []
+    chunks = []
     while engine.pending:
+      span = engine._span(engine._t + engine.steps_per_sync)  # what this hand-back's decode reads
       t0 = time.perf_counter()
       engine.poll()
-      times.append(time.perf_counter() - t0)
-    return times
+      chunks.append((time.perf_counter() - t0, span))
+    return chunks
 
   t0 = time.perf_counter()
   run(0)  # compiles prefill + decode
   compile_s = time.perf_counter() - t0
-  decode_times = [t for seed in (1, 2) for t in run(seed)[1:]]  # hand-backs of pure decode steps
-  step_s = float(np.median(decode_times)) / args.chunk
+  chunks = [c for seed in (1, 2) for c in run(seed)[1:]]  # hand-backs of pure decode steps
+  seconds = sum(t for t, _ in chunks)
+  step_s = seconds / (len(chunks) * args.chunk)
   bandwidth = copy_bandwidth((2 << 30) if not args.smoke else (64 << 20))
   kv_bytes = engine.memory["kv_cache_bytes"]
-  bytes_per_step = param_bytes(params) + kv_bytes
+  # each step reads every weight and the ring columns its call attends over (rollout.slots: span)
+  bytes_per_step = int(param_bytes(params) + kv_bytes * np.mean([span for _, span in chunks]) / engine.length)
   result = dict(
       device=str(devices[0].device_kind), jax=jax.__version__, params=param_count(cfg), slots=args.slots,
       prompt=args.prompt, new_tokens=args.new, compile_and_first_run_s=round(compile_s, 2),
