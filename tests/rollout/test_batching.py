@@ -141,6 +141,22 @@ def test_a_fresh_batch_decodes_on_the_ring_columns_it_has_written(pools, weights
   assert_parity(policy, {0: params}, samples)
 
 
+def test_a_sliding_window_model_decodes_as_the_trainer_scores(pools):
+  """Sliding-window layers with their own RoPE (Gemma 3 style) through refills and ring spans."""
+  cfg = model_config(vocab_size=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
+                     tie_embeddings=True, sliding_window=4, layer_types=("sliding", "sliding", "full"),
+                     rope_local_theta=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+  policy = Policy.build(cfg)
+  params = policy.init(0, pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes()))
+  engine = make_engine(pools, policy, max_new_tokens=24)  # 2 slots, a ring of 40 columns
+  engine.load_weights(0, params)
+  budgets = {"12+34=": 24, "7=": 5, "99+1=": 12, "3+3=": 20}
+  samples = run(engine, [Request(p, max_tokens=b) for p, b in budgets.items()])
+  assert {key[2] for key in engine._fns if key[0] == "decode"} == {20, 30, 40}
+  assert sorted(len(s.tokens) for s in samples) == sorted(budgets.values())
+  assert_parity(policy, {0: params}, samples)
+
+
 def test_interruption_recomputes_kv_and_keeps_every_token(pools, weights):
   policy, old, new = weights
   fresh = iter([None, (5, new)])  # the trainer publishes v5 after the first hand-back
