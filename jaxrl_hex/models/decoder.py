@@ -92,10 +92,13 @@ def rope_tables(cfg, limit: int) -> dict:
   A decode loop makes these once, outside the loop, and each step looks its positions up:
   computed inside a step, XLA fuses cos and sin into every consumer and evaluates them per
   element (per layer, head and cache write: ~5% of a small model's decode step on CPU)."""
+  return {args: rope_table(jnp.arange(limit)[None], *args) for args in layer_rope_settings(cfg)}
+
+
+def layer_rope_settings(cfg) -> set:
+  """The distinct rope_settings of the model's layers (one, or local and global for Gemma 3)."""
   cfg = ml_collections.FrozenConfigDict(cfg)  # rope_scaling as a hashable key, as the layers hold it
-  positions = jnp.arange(limit)[None]
-  return {args: rope_table(positions, *args) for args in {rope_settings(cfg, is_sliding(cfg, i))
-                                                          for i in range(cfg.n_layers)}}
+  return {rope_settings(cfg, is_sliding(cfg, i)) for i in range(cfg.n_layers)}
 
 
 def rope(x, table):
@@ -222,7 +225,7 @@ class Decoder(nnx.Module):
     local_mask = window_mask(mask, positions, cfg.sliding_window, cache is not None, cache_index,
                              key_positions) if cfg.sliding_window else None
     if rope_tables is None:
-      tables = {args: rope_table(positions, *args) for args in {layer.attn.rope_args for layer in self.layers}}
+      tables = {args: rope_table(positions, *args) for args in layer_rope_settings(cfg)}
     else:  # tables over 0..limit-1: look the positions up
       tables = {args: (cos[0, positions], sin[0, positions]) for args, (cos, sin) in rope_tables.items()}
     new_cache = []

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 from jaxrl_hex.models import CACHE_AXES, CACHE_LENGTH_AXES, cache_shapes, causal_mask, init_cache, rope_tables
 from jaxrl_hex.rollout.sampling import sample
 
-RING_FIELDS = ("valid", "col_tok", "col_pos")  # [S, T] per ring column (the cache's length axes: CACHE_LENGTH_AXES)
 STATE_AXES = {  # logical axes of each state field (the cache's: models.CACHE_AXES)
     "valid": ("batch", "length"), "col_tok": ("batch", "length"), "col_pos": ("batch", "length"),
     "pending": ("batch",), "pos": ("batch",), "count": ("batch",), "max_new": ("batch",), "t": (),
 }
+RING_FIELDS = tuple(k for k, axes in STATE_AXES.items() if "length" in axes)  # [S, T]: one entry per ring column
 
 
 def init_state(cfg, slots: int, length: int, cache_dtype):
