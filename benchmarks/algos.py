@@ -42,17 +42,24 @@ def main():
   results = {}
   for name in args.presets.split(","):
     workdir = os.path.join(args.workdir, f"{name}-{int(time.time())}")
-    cfg = config(name, **{"train.steps": args.steps, "train.eval_every": args.steps,
-                          "train.checkpoint_every": args.steps})
+    cfg = config(name, **{
+        "train.steps": args.steps,
+        "train.eval_every": args.steps,
+        "train.checkpoint_every": args.steps
+    })
     cfg.init_from = warm
     t0 = time.time()
     summary = commands.train(cfg, workdir)
-    results[name] = {"eval_accuracy_start": summary["eval_accuracy_start"],
-                     "eval_accuracy_end": summary["eval_accuracy_end"], "seconds": time.time() - t0,
-                     "steps": args.steps}
+    results[name] = {
+        "eval_accuracy_start": summary["eval_accuracy_start"],
+        "eval_accuracy_end": summary["eval_accuracy_end"],
+        "seconds": time.time() - t0,
+        "steps": args.steps
+    }
     r = results[name]
-    print(f"{name:13s} {r['eval_accuracy_start']:.3f} -> {r['eval_accuracy_end']:.3f} "
-          f"({r['eval_accuracy_end'] - r['eval_accuracy_start']:+.3f}) in {r['seconds']:.0f}s", flush=True)
+    print(
+        f"{name:13s} {r['eval_accuracy_start']:.3f} -> {r['eval_accuracy_end']:.3f} "
+        f"({r['eval_accuracy_end'] - r['eval_accuracy_start']:+.3f}) in {r['seconds']:.0f}s", flush=True)
   os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
   with open(os.path.join(HERE, "out", "algos.json"), "w") as f:
     json.dump(results, f, indent=2)

@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl_hex.config import base_config, load_config_file  # noqa: E402
-from jaxrl_hex.models import Policy  # noqa: E402
+from jaxrl_hex.models.policy import Policy  # noqa: E402
 from jaxrl_hex.models.config import model_config  # noqa: E402
 from jaxrl_hex.planner import calibrate as cal  # noqa: E402
 from jaxrl_hex.planner.catalog import CATALOG_PATH, EFFICIENCY_FIELDS, load_catalog  # noqa: E402
@@ -57,13 +57,13 @@ MEDIUM = dict(TINY, vocab_size=512, d_model=256, n_layers=4, head_dim=64, mlp_di
 MODELS = {"tiny": TINY, "medium": MEDIUM}
 # (model, sequences, seq_len, held out). Sequences are multiples of 8 (GRPO groups) and of the
 # train pool's 2 batch ways; tiny 256 x 16 is the default arith step (32 prompts x 8 samples).
-TRAIN_POINTS = [("tiny", 64, 16, False), ("tiny", 256, 16, False), ("tiny", 256, 64, False),
-                ("tiny", 128, 32, True), ("medium", 16, 32, False), ("medium", 32, 64, False),
-                ("medium", 16, 128, False), ("medium", 32, 32, True), ("medium", 64, 64, True)]
+TRAIN_POINTS = [("tiny", 64, 16, False), ("tiny", 256, 16, False), ("tiny", 256, 64, False), ("tiny", 128, 32, True),
+                ("medium", 16, 32, False), ("medium", 32, 64, False), ("medium", 16, 128, False),
+                ("medium", 32, 32, True), ("medium", 64, 64, True)]
 # (model, batch = sequences per replica, mean context, held out)
-ROLLOUT_POINTS = [("tiny", 8, 32, False), ("tiny", 128, 32, False), ("tiny", 32, 128, False),
-                  ("tiny", 64, 64, True), ("medium", 8, 64, False), ("medium", 64, 64, False),
-                  ("medium", 16, 256, False), ("medium", 32, 128, True), ("medium", 128, 32, True)]
+ROLLOUT_POINTS = [("tiny", 8, 32, False), ("tiny", 128, 32, False), ("tiny", 32, 128, False), ("tiny", 64, 64, True),
+                  ("medium", 8, 64, False), ("medium", 64, 64, False), ("medium", 16, 256, False),
+                  ("medium", 32, 128, True), ("medium", 128, 32, True)]
 DECODE_STEPS = 16  # the engine's default steps_per_sync: decode steps per jitted call
 
 
@@ -71,7 +71,7 @@ DECODE_STEPS = 16  # the engine's default steps_per_sync: decode steps per jitte
 class Point:
   """One operating point: its measured-run record (timing filled in later) and one timed call."""
   record: dict
-  run: typing.Callable     # () -> None: one call, finished on the host when it returns
+  run: typing.Callable  # () -> None: one call, finished on the host when it returns
   steps_per_call: int = 1
 
 
@@ -95,14 +95,14 @@ def train_point(pool, name, seqs, seq_len, held_out) -> Point:
   trainer = Trainer(policy, pool, make_optimizer(cfg.optim, 1000), make_rl_loss(cfg.algo, 1.0), params)
   rng = np.random.default_rng(0)
   c_len = seq_len // 2
-  batch = dict(tokens=rng.integers(3, model["vocab_size"], (seqs, seq_len)).astype(np.int32),
-               valid=np.ones((seqs, seq_len), bool), loss_mask=np.ones((seqs, c_len), bool),
-               behav_logp=np.full((seqs, c_len), -math.log(model["vocab_size"]), np.float32),
-               rewards=rng.integers(0, 2, seqs).astype(np.float32),
-               group_ids=np.repeat(np.arange(seqs // 8), 8).astype(np.int32),
-               versions=np.zeros((seqs, c_len), np.int32))
-  record = dict(pool="train", name=f"{name} {seqs}x{seq_len}", held_out=held_out, **pool_fields(pool),
-                model=model, seq_len=seq_len, tokens_per_step=seqs * seq_len)
+  batch = dict(tokens=rng.integers(3, model["vocab_size"], (seqs, seq_len)).astype(np.int32), valid=np.ones(
+      (seqs, seq_len), bool), loss_mask=np.ones((seqs, c_len), bool), behav_logp=np.full(
+          (seqs, c_len), -math.log(model["vocab_size"]), np.float32), rewards=rng.integers(0, 2,
+                                                                                           seqs).astype(np.float32),
+               group_ids=np.repeat(np.arange(seqs // 8), 8).astype(np.int32), versions=np.zeros((seqs, c_len),
+                                                                                                np.int32))
+  record = dict(pool="train", name=f"{name} {seqs}x{seq_len}", held_out=held_out, **pool_fields(pool), model=model,
+                seq_len=seq_len, tokens_per_step=seqs * seq_len)
   return Point(record, lambda: trainer.step(batch))  # step() ends in a device_get of its metrics
 
 
@@ -111,8 +111,8 @@ def _rewind(state, start):
   over the same contexts; the cache's contents do not change the step's cost."""
   slots, length = state["valid"].shape
   full = lambda v: jnp.full((slots,), v, jnp.int32)
-  return dict(state, valid=jnp.broadcast_to(jnp.arange(length) < start, (slots, length)),
-              t=jnp.int32(start), pos=full(start), count=full(0))
+  return dict(state, valid=jnp.broadcast_to(jnp.arange(length) < start, (slots, length)), t=jnp.int32(start),
+              pos=full(start), count=full(0))
 
 
 def rollout_point(pool, name, batch, context, held_out) -> Point:
@@ -136,7 +136,7 @@ def rollout_point(pool, name, batch, context, held_out) -> Point:
   fn = jax.jit(calls, in_shardings=(param_shardings, state_shardings, replicated, replicated),
                out_shardings=(state_shardings,) + (replicated,) * 5, donate_argnums=(1,))
   params = jax.device_put(params, param_shardings)
-  state = dict(S.init_state(cfg, slots, length, cfg.dtype), max_new=jnp.full((slots,), 2 ** 30))
+  state = dict(S.init_state(cfg, slots, length, cfg.dtype), max_new=jnp.full((slots,), 2**30))
   box = {"state": jax.device_put(state, state_shardings)}  # donated and replaced by every call
   live, rng = np.ones(slots, bool), jax.random.key(0)
 
@@ -146,8 +146,8 @@ def rollout_point(pool, name, batch, context, held_out) -> Point:
     if steps != DECODE_STEPS:
       raise RuntimeError(f"decode ran {steps} steps, not {DECODE_STEPS}: a slot finished")
 
-  record = dict(pool="rollout", name=f"{name} b{batch} c{context}", held_out=held_out, **pool_fields(pool),
-                model=model, batch=batch, context=context)
+  record = dict(pool="rollout", name=f"{name} b{batch} c{context}", held_out=held_out, **pool_fields(pool), model=model,
+                batch=batch, context=context)
   return Point(record, run, DECODE_STEPS)
 
 
@@ -179,16 +179,18 @@ def measure(points, rounds, warmup=2) -> list:
 
 def build_points(train_points, rollout_points) -> list:
   pools = meshes.build_pools(meshes.load_mesh_file(str(ROOT / "meshes" / "cpu-8.yaml")))
-  return ([train_point(pools["train"], *p) for p in train_points]
-          + [rollout_point(pools["rollout"], *p) for p in rollout_points])
+  return ([train_point(pools["train"], *p) for p in train_points] +
+          [rollout_point(pools["rollout"], *p) for p in rollout_points])
 
 
 def fit(records, catalog=None) -> dict:
   """Fit on the records not held out; score every record before and after."""
   catalog = catalog or load_catalog()
   overlay, _ = cal.calibrate([r for r in records if not r["held_out"]], catalog)
-  rows = [dict(row, name=r["name"], held_out=r["held_out"], spread=r["spread"])
-          for r, row in zip(records, cal.error_report(records, catalog, overlay))]
+  rows = [
+      dict(row, name=r["name"], held_out=r["held_out"], spread=r["spread"])
+      for r, row in zip(records, cal.error_report(records, catalog, overlay))
+  ]
   summary = {}
   for pool in ("train", "rollout"):
     for held in (False, True):
@@ -200,15 +202,18 @@ def fit(records, catalog=None) -> dict:
 
 
 def table(result) -> str:
-  lines = ["| pool | operating point | set | measured ms | spread | predicted before ms | predicted after ms | "
-           "error after |", "|---|---|---|---|---|---|---|---|"]
+  lines = [
+      "| pool | operating point | set | measured ms | spread | predicted before ms | predicted after ms | "
+      "error after |", "|---|---|---|---|---|---|---|---|"
+  ]
   for r in result["rows"]:
     lines.append(f"| {r['pool']} | {r['name']} | {'held out' if r['held_out'] else 'fit'} | "
                  f"{r['measured_s'] * 1e3:.2f} | {r['spread']:.0%} | {r['predicted_before_s'] * 1e3:.2f} | "
                  f"{r['predicted_after_s'] * 1e3:.2f} | {r['error_after']:.0%} |")
   lines.append("")
   for key, e in result["error_after"].items():
-    lines.append(f"- {key.replace('_', ' ', 1).replace('_', '-')} error after calibration: mean {e['mean']:.0%}, max {e['max']:.0%}")
+    what = key.replace("_", " ", 1).replace("_", "-")
+    lines.append(f"- {what} error after calibration: mean {e['mean']:.0%}, max {e['max']:.0%}")
   for label, factors in (("catalog before", result["before"]), ("fitted", result["overlay"]["devices"]["cpu"])):
     lines.append(f"- {label}: " + ", ".join(f"{k} {factors[k]:.4g}" for k in EFFICIENCY_FIELDS))
   return "\n".join(lines)
@@ -218,7 +223,8 @@ def write_catalog(factors, note, path=CATALOG_PATH):
   """Replaces the efficiency lines of the catalog's `cpu` entry (only that entry)."""
   text = path.read_text()
   entry = re.search(r"^  cpu:\n(?:    .*\n?)*", text, flags=re.M)  # up to the first line not indented 4
-  pattern = r"(    # fitted by benchmarks/calibrate_cpu8\.py.*\n)?" + "".join(rf"    {f}: .*\n?" for f in EFFICIENCY_FIELDS)
+  pattern = r"(    # fitted by benchmarks/calibrate_cpu8\.py.*\n)?" + "".join(
+      rf"    {f}: .*\n?" for f in EFFICIENCY_FIELDS)
   lines = f"    # fitted by benchmarks/calibrate_cpu8.py {note}\n" + "".join(
       f"    {f}: {factors[f]:.4g}\n" for f in EFFICIENCY_FIELDS)
   block, n = re.subn(pattern, lambda _: lines, entry.group(0)) if entry else ("", 0)
@@ -232,8 +238,8 @@ def write_readme(text):
   body = README.read_text()
   if BEGIN not in body:
     raise SystemExit(f"{README}: no {BEGIN} marker; add the 'Planner calibration (cpu-8)' section first")
-  README.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{text}\n{END}", body,
-                           flags=re.S))
+  README.write_text(
+      re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{text}\n{END}", body, flags=re.S))
 
 
 def main(argv=None):

@@ -43,6 +43,7 @@ def disk_gbps(nbytes, directory):
       os.fsync(f.fileno())
     with open(path, "rb") as f:
       f.read()
+
   seconds = min(_timed(write_read) for _ in range(3))
   os.remove(path)
   return nbytes / seconds / 1e9
@@ -58,8 +59,9 @@ def bench_sync(repeats=3):
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
   import ray
+
   from jaxrl_hex import meshes
-  from jaxrl_hex.models import Policy, param_bytes
+  from jaxrl_hex.models.policy import Policy, param_bytes
   from jaxrl_hex.models.config import model_config
   from jaxrl_hex.sync import make_sync
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -75,8 +77,8 @@ def bench_sync(repeats=3):
     for method, baseline in (("device_put", "memcpy"), ("direct", "memcpy"), ("orbax", "disk")):
       publisher = make_sync(method, policy.shapes(), rollout_sh if method == "device_put" else None,
                             os.path.join(tmp, "sync"))
-      receiver = publisher if method == "device_put" else make_sync(
-          method, policy.shapes(), rollout_sh, os.path.join(tmp, "sync"))
+      receiver = publisher if method == "device_put" else make_sync(method, policy.shapes(), rollout_sh,
+                                                                    os.path.join(tmp, "sync"))
       seconds = []
       for v in range(repeats + 1):  # the first round compiles / warms caches
         start = time.perf_counter()
@@ -86,8 +88,15 @@ def bench_sync(repeats=3):
         seconds.append(time.perf_counter() - start)
       s = min(seconds[1:])
       gbps = nbytes / s / 1e9
-      rows.append({"method": method, "bytes": nbytes, "seconds": s, "gb_per_s": gbps, "baseline": baseline,
-                   "baseline_gb_per_s": base[baseline], "ratio_to_baseline": gbps / base[baseline]})
+      rows.append({
+          "method": method,
+          "bytes": nbytes,
+          "seconds": s,
+          "gb_per_s": gbps,
+          "baseline": baseline,
+          "baseline_gb_per_s": base[baseline],
+          "ratio_to_baseline": gbps / base[baseline]
+      })
   ray.shutdown()
   return rows
 
@@ -96,21 +105,25 @@ DRIVER_CORES = {1}  # meshes/cpu-ray-pinned.yaml: rollout on core 1, trainer on 
 
 
 def _train(workdir, steps, eta, init_from):
-  cmd = [sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={init_from}",
-         "--config.mesh_file=meshes/cpu-ray-pinned.yaml", "--config.cluster.backend=ray",
-         "--config.sync.method=direct", f"--config.train.steps={steps}", f"--config.train.max_staleness={eta}",
-         "--config.algo.prox_logp=interpolate", "--config.algo.share_prompts=True",
-         f"--config.train.eval_every={steps}", "--config.train.checkpoint_every=100000"]
-  subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, JAXRL_HEX_QUIET="1"),
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                 preexec_fn=lambda: os.sched_setaffinity(0, DRIVER_CORES))
+  cmd = [
+      sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={init_from}",
+      "--config.mesh_file=meshes/cpu-ray-pinned.yaml", "--config.cluster.backend=ray", "--config.sync.method=direct",
+      f"--config.train.steps={steps}", f"--config.train.max_staleness={eta}", "--config.algo.prox_logp=interpolate",
+      "--config.algo.share_prompts=True", f"--config.train.eval_every={steps}", "--config.train.checkpoint_every=100000"
+  ]
+  subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, JAXRL_HEX_QUIET="1"), stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL, preexec_fn=lambda: os.sched_setaffinity(0, DRIVER_CORES))
   from jaxrl_hex.metrics import read_jsonl
   rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") == "train" and "loss" in r]
   skip = min(5, steps // 4)  # compile and first syncs
   # up to the last step before the closing evaluation (the same for both runs, not part of a step)
   per_step = (rows[-2]["wall_s"] - rows[skip]["wall_s"]) / (len(rows) - 2 - skip)
-  return {"eta": eta, "seconds_per_step": per_step, "reward": [r["reward_mean"] for r in rows],
-          "eval_accuracy_end": rows[-1].get("eval_accuracy")}
+  return {
+      "eta": eta,
+      "seconds_per_step": per_step,
+      "reward": [r["reward_mean"] for r in rows],
+      "eval_accuracy_end": rows[-1].get("eval_accuracy")
+  }
 
 
 def bench_async(steps):
@@ -121,10 +134,16 @@ def bench_async(steps):
     sync_run = _train(os.path.join(tmp, "eta0"), steps, 0, warm)
     async_run = _train(os.path.join(tmp, "eta2"), steps, 2, warm)
   tail = max(steps // 4, 1)
-  return {"steps": steps, "sync": sync_run, "async": async_run,
-          "speedup": sync_run["seconds_per_step"] / async_run["seconds_per_step"],
-          "reward_tail_mean": {"eta0": float(np.mean(sync_run["reward"][-tail:])),
-                               "eta2": float(np.mean(async_run["reward"][-tail:]))}}
+  return {
+      "steps": steps,
+      "sync": sync_run,
+      "async": async_run,
+      "speedup": sync_run["seconds_per_step"] / async_run["seconds_per_step"],
+      "reward_tail_mean": {
+          "eta0": float(np.mean(sync_run["reward"][-tail:])),
+          "eta2": float(np.mean(async_run["reward"][-tail:]))
+      }
+  }
 
 
 def main():

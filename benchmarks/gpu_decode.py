@@ -50,7 +50,7 @@ def main():
              "(the H200 image has jax + jax-cuda13-plugin) and rerun")
 
   from jaxrl_hex import meshes
-  from jaxrl_hex.models import Policy, param_bytes
+  from jaxrl_hex.models.policy import Policy, param_bytes
   from jaxrl_hex.models.config import model_config, param_count
   from jaxrl_hex.rollout.engine import Engine, Request
 
@@ -92,13 +92,12 @@ def main():
   kv_bytes = engine.memory["kv_cache_bytes"]
   # each step reads every weight and the ring columns its call attends over (rollout.slots: span)
   bytes_per_step = int(param_bytes(params) + kv_bytes * np.mean([span for _, span in chunks]) / engine.length)
-  result = dict(
-      device=str(devices[0].device_kind), jax=jax.__version__, params=param_count(cfg), slots=args.slots,
-      prompt=args.prompt, new_tokens=args.new, compile_and_first_run_s=round(compile_s, 2),
-      decode_step_ms=round(step_s * 1e3, 3), decode_tokens_per_s=round(args.slots / step_s, 1),
-      weight_bytes=param_bytes(params), kv_cache_bytes=kv_bytes, bytes_per_step=bytes_per_step,
-      achieved_gb_per_s=round(bytes_per_step / step_s / 1e9, 1), copy_gb_per_s=round(bandwidth / 1e9, 1),
-      roofline_share=round(bytes_per_step / step_s / bandwidth, 3))
+  result = dict(device=str(devices[0].device_kind), jax=jax.__version__, params=param_count(cfg), slots=args.slots,
+                prompt=args.prompt, new_tokens=args.new, compile_and_first_run_s=round(compile_s, 2),
+                decode_step_ms=round(step_s * 1e3, 3), decode_tokens_per_s=round(args.slots / step_s, 1),
+                weight_bytes=param_bytes(params), kv_cache_bytes=kv_bytes, bytes_per_step=bytes_per_step,
+                achieved_gb_per_s=round(bytes_per_step / step_s / 1e9, 1), copy_gb_per_s=round(bandwidth / 1e9, 1),
+                roofline_share=round(bytes_per_step / step_s / bandwidth, 3))
   print(json.dumps(result), flush=True)
   if os.environ.get("OUT"):
     with open(os.path.join(os.environ["OUT"], "gpu_decode.json"), "w") as f:

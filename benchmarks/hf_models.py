@@ -24,7 +24,7 @@ def parity(families):
   import numpy as np
   from hf_support import save_tiny, torch_greedy, torch_logits
 
-  from jaxrl_hex.models import from_hf
+  from jaxrl_hex.models.hf import from_hf
   out = {}
   for family in families:
     path = tempfile.mkdtemp()
@@ -35,8 +35,10 @@ def parity(families):
     for precision in ("default", "highest"):
       with jax.default_matmul_precision(precision):
         ours = from_hf(path)
-        row[precision] = {"max_abs_logit_diff": float(np.abs(np.asarray(ours(ids)) - ref).max()),
-                          "greedy_equal": bool((np.asarray(ours.generate(ids, 32)) == greedy).all())}
+        row[precision] = {
+            "max_abs_logit_diff": float(np.abs(np.asarray(ours(ids)) - ref).max()),
+            "greedy_equal": bool((np.asarray(ours.generate(ids, 32)) == greedy).all())
+        }
     out[family] = row
     print(family, row, flush=True)
   return out
@@ -47,12 +49,12 @@ def load(layers, hidden, vocab):
   import torch
   import transformers
 
-  from jaxrl_hex.models import Policy
+  from jaxrl_hex.models.policy import Policy
   from jaxrl_hex.models.hf import hf_model_config, load_params, save_hf
   path = tempfile.mkdtemp()
   cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4,
-                                 num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=min(8, hidden // 64),
-                                 head_dim=64, tie_word_embeddings=False)
+                                 num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                 num_key_value_heads=min(8, hidden // 64), head_dim=64, tie_word_embeddings=False)
   with torch.device("meta"):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
   model = model.to_empty(device="cpu").to(torch.bfloat16)
@@ -76,10 +78,18 @@ def load(layers, hidden, vocab):
   t0 = time.perf_counter()
   save_hf(ours, params, tempfile.mkdtemp())
   export_s = time.perf_counter() - t0
-  row = {"params": sum(x.size for x in jax.tree.leaves(params)), "shards": len(files), "checkpoint_bytes": size,
-         "load_seconds": seconds, "load_GBps": size / seconds / 1e9, "host_peak_bytes": peak,
-         "host_peak_over_checkpoint": peak / size, "host_peak_over_largest_tensor": peak / largest,
-         "export_seconds": export_s, "device": str(jax.devices()[0])}
+  row = {
+      "params": sum(x.size for x in jax.tree.leaves(params)),
+      "shards": len(files),
+      "checkpoint_bytes": size,
+      "load_seconds": seconds,
+      "load_GBps": size / seconds / 1e9,
+      "host_peak_bytes": peak,
+      "host_peak_over_checkpoint": peak / size,
+      "host_peak_over_largest_tensor": peak / largest,
+      "export_seconds": export_s,
+      "device": str(jax.devices()[0])
+  }
   print(row, flush=True)
   return row
 

@@ -12,23 +12,41 @@ import time
 
 import yaml
 
-from jaxrl_hex.planner import allocate as al
-from jaxrl_hex.planner import calibrate as cal
-from jaxrl_hex.planner import cost_model as cm
+from jaxrl_hex.planner import allocate as al, calibrate as cal, cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
-from jaxrl_hex.planner.command import REPO, load_model
+from jaxrl_hex.planner.model_files import REPO, load_model
 
-LARGE = {"H100": 24, "H20": 24, "L4": 16}   # 64 devices of 3 types
+LARGE = {"H100": 24, "H20": 24, "L4": 16}  # 64 devices of 3 types
 SMALL_WORKLOAD = cm.Workload(batch_size=8, group_size=4, prompt_len=512, output_mean=2048, output_max=8192)
-SMALL = [("qwen2_1_5b", {"H800": 4, "H20": 4}), ("qwen2_7b", {"v5e": 4, "v6e": 4}),
-         ("qwen2_7b", {"A100": 5, "H20": 3}), ("qwen2_1_5b", {"v5p": 2, "H100": 6}),
-         ("qwen2_1_5b", {"L4": 6, "H200": 2}), ("qwen2_7b", {"H100": 3, "L4": 5})]
+SMALL = [("qwen2_1_5b", {
+    "H800": 4,
+    "H20": 4
+}), ("qwen2_7b", {
+    "v5e": 4,
+    "v6e": 4
+}), ("qwen2_7b", {
+    "A100": 5,
+    "H20": 3
+}), ("qwen2_1_5b", {
+    "v5p": 2,
+    "H100": 6
+}), ("qwen2_1_5b", {
+    "L4": 6,
+    "H200": 2
+}), ("qwen2_7b", {
+    "H100": 3,
+    "L4": 5
+})]
 
 
 def summary(p):
-  return {"gen_tokens_per_s": round(p.gen_tokens_per_s, 1), "price_per_hour": round(p.price_per_hour, 3),
-          "usd_per_mtok": round(p.usd_per_mtok, 5), "train": f"{p.train.layout.devices} x {p.train.device_type}",
-          "rollout": [f"{g.count} x tp{g.option.replica.tensor} {g.option.replica.device_type}" for g in p.groups]}
+  return {
+      "gen_tokens_per_s": round(p.gen_tokens_per_s, 1),
+      "price_per_hour": round(p.price_per_hour, 3),
+      "usd_per_mtok": round(p.usd_per_mtok, 5),
+      "train": f"{p.train.layout.devices} x {p.train.device_type}",
+      "rollout": [f"{g.count} x tp{g.option.replica.tensor} {g.option.replica.device_type}" for g in p.groups]
+  }
 
 
 def timed(fn, *args):
@@ -43,9 +61,12 @@ def bench_large(catalog):
   fast, t_fast = timed(al.plan, cfg, cluster, "throughput")
   floor = 0.5 * fast.gen_tokens_per_s
   cheap, t_cheap = timed(al.plan, cfg, cluster, "cost", floor)
-  return {"cluster": LARGE, "model": "qwen2_7b",
-          "throughput": dict(summary(fast), seconds=round(t_fast, 2)),
-          "cost_with_floor": dict(summary(cheap), seconds=round(t_cheap, 2), min_throughput=round(floor, 1))}
+  return {
+      "cluster": LARGE,
+      "model": "qwen2_7b",
+      "throughput": dict(summary(fast), seconds=round(t_fast, 2)),
+      "cost_with_floor": dict(summary(cheap), seconds=round(t_cheap, 2), min_throughput=round(floor, 1))
+  }
 
 
 def bench_exhaustive(catalog):
@@ -58,9 +79,16 @@ def bench_exhaustive(catalog):
       ref, t_ref = timed(al.exhaustive_plan, cfg, cluster, objective)
       key = "gen_tokens_per_s" if objective == "throughput" else "usd_per_mtok"
       a, b = getattr(got, key), getattr(ref, key)
-      rows.append({"model": model, "cluster": counts, "objective": objective, "planner": round(a, 5),
-                   "exhaustive": round(b, 5), "match": abs(a - b) <= 1e-3 * abs(b),
-                   "planner_s": round(t_plan, 3), "exhaustive_s": round(t_ref, 3)})
+      rows.append({
+          "model": model,
+          "cluster": counts,
+          "objective": objective,
+          "planner": round(a, 5),
+          "exhaustive": round(b, 5),
+          "match": abs(a - b) <= 1e-3 * abs(b),
+          "planner_s": round(t_plan, 3),
+          "exhaustive_s": round(t_ref, 3)
+      })
   return rows
 
 
@@ -68,12 +96,17 @@ def bench_areal():
   rows = {}
   for model in ("qwen2_1_5b", "qwen2_7b", "qwen2_14b"):
     cfg = load_model(model)[1]
-    plans = {name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml"))
-             for name in ("hex", "h800", "h20")}
+    plans = {
+        name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml"))
+        for name in ("hex", "h800", "h20")
+    }
     best_homog = max(plans["h800"].gen_tokens_per_s, plans["h20"].gen_tokens_per_s)
-    rows[model] = {"24xH800+24xH20": summary(plans["hex"]), "32xH800": summary(plans["h800"]),
-                   "88xH20": summary(plans["h20"]),
-                   "mix_over_best_homogeneous": round(plans["hex"].gen_tokens_per_s / best_homog, 3)}
+    rows[model] = {
+        "24xH800+24xH20": summary(plans["hex"]),
+        "32xH800": summary(plans["h800"]),
+        "88xH20": summary(plans["h20"]),
+        "mix_over_best_homogeneous": round(plans["hex"].gen_tokens_per_s / best_homog, 3)
+    }
   return rows
 
 
@@ -81,9 +114,12 @@ def bench_calibration(paths, catalog, overlay_out):
   overlay, report = cal.calibrate(cal.load_measurements(paths), catalog)
   if overlay_out:
     pathlib.Path(overlay_out).write_text(yaml.safe_dump(overlay, sort_keys=False))
-  return {"overlay": overlay, "records": report,
-          "max_error_before": max(r["error_before"] for r in report),
-          "max_error_after": max(r["error_after"] for r in report)}
+  return {
+      "overlay": overlay,
+      "records": report,
+      "max_error_before": max(r["error_before"] for r in report),
+      "max_error_after": max(r["error_after"] for r in report)
+  }
 
 
 def main(argv=None):

@@ -39,7 +39,7 @@ ENGINES = ("ours", "naive", "tunix")
 def workload(name: str) -> dict:
   """prompts [n, P] token ids (BOS first), group (samples per prompt), budgets [n * group] (prompt-major), slots."""
   rng = np.random.default_rng(0)
-  if name == "W1":    # decode: 32 prompts x 32 tokens, 64 new tokens each
+  if name == "W1":  # decode: 32 prompts x 32 tokens, 64 new tokens each
     n, group, budgets, slots = 32, 1, [64] * 32, 32
   elif name == "W2":  # group decode: 8 prompts x 8 samples
     n, group, budgets, slots = 8, 8, [64] * 64, 64
@@ -82,7 +82,7 @@ def _our_policy():
   import jax
 
   from jaxrl_hex import meshes
-  from jaxrl_hex.models import Policy
+  from jaxrl_hex.models.policy import Policy
   from jaxrl_hex.models.config import model_config
   pool = meshes.Pool(meshes.PoolSpec("rollout", (0,), {}, dict(meshes.DEFAULT_RULES)), jax.devices()[:1])
   policy = Policy.build(model_config(**MODEL))
@@ -143,6 +143,7 @@ def run_tunix(w, repeats):
   from tunix.models.qwen3 import model as qwen3
 
   class Tok(IntTokenizer):  # Tunix's adapter calls these as methods
+
     def bos_id(self):
       return BOS
 
@@ -183,7 +184,8 @@ def main(argv=None):
   ap.add_argument("--steps-per-sync", type=int, default=16)
   ap.add_argument("--json", action="store_true", help="print one JSON object (the default prints a line)")
   args = ap.parse_args(argv)
-  if args.engine == "tunix" and os.path.realpath(sys.prefix) != os.path.realpath(os.path.dirname(os.path.dirname(TUNIX_PYTHON))):
+  if args.engine == "tunix" and os.path.realpath(sys.prefix) != os.path.realpath(
+      os.path.dirname(os.path.dirname(TUNIX_PYTHON))):
     if not os.path.exists(TUNIX_PYTHON):
       raise SystemExit(f"{TUNIX_PYTHON} is missing; run: bash benchmarks/setup_tunix.sh")
     return subprocess.call([TUNIX_PYTHON, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
@@ -195,10 +197,10 @@ def main(argv=None):
     out = run_naive(w, args.repeats)
   else:
     out = run_tunix(w, args.repeats)
-  result = dict(workload=args.workload, engine=args.engine, new_tokens_per_s=out["new_tokens"] / out["seconds"],
-                **out, slots=w["slots"], jax=jax.__version__, device=str(jax.devices()[0].platform))
-  print(json.dumps(result) if args.json else
-        f"{args.workload} {args.engine}: {result['new_tokens_per_s']:.0f} new tokens/s, compile {result['compile_s']:.1f}s")
+  result = dict(workload=args.workload, engine=args.engine, new_tokens_per_s=out["new_tokens"] / out["seconds"], **out,
+                slots=w["slots"], jax=jax.__version__, device=str(jax.devices()[0].platform))
+  print(json.dumps(result) if args.json else f"{args.workload} {args.engine}: {result['new_tokens_per_s']:.0f} "
+        f"new tokens/s, compile {result['compile_s']:.1f}s")
   return 0
 
 

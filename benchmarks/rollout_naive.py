@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.models import init_cache
+from jaxrl_hex.models.decoder import init_cache
 from jaxrl_hex.rollout.sampling import sample
 
 
@@ -46,7 +46,7 @@ def _static_generate(policy, max_new, eos_id, sampling, params, prompt, prompt_v
   def cond(state):
     return (state[0] < max_new) & ~jnp.all(state[4])
 
-  init = (jnp.int32(0), logits[:, -1], cache, key_valid, jnp.zeros((n,), bool),
-          jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32), rng)
+  init = (jnp.int32(0), logits[:, -1], cache, key_valid, jnp.zeros((n,), bool), jnp.zeros(
+      (n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32), rng)
   _, _, _, key_valid, _, tokens, logprobs, _ = jax.lax.while_loop(cond, body, init)
   return tokens, key_valid[:, p_len:], logprobs

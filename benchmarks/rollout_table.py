@@ -21,14 +21,20 @@ BEGIN, END = "<!-- rollout-table:begin -->", "<!-- rollout-table:end -->"
 
 
 def run(workload, engine, repeats):
-  out = subprocess.run([sys.executable, os.path.join(HERE, "rollout.py"), "--workload", workload, "--engine", engine,
-                        "--repeats", str(repeats), "--json"], capture_output=True, text=True, check=True)
+  out = subprocess.run([
+      sys.executable,
+      os.path.join(HERE, "rollout.py"), "--workload", workload, "--engine", engine, "--repeats",
+      str(repeats), "--json"
+  ], capture_output=True, text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def table(results) -> str:
-  rows = ["| workload | ours tok/s | naive tok/s | Tunix tok/s | ours / naive | ours / Tunix | target | compiles (ours) | compile s (ours / naive / Tunix) |",
-          "|---|---|---|---|---|---|---|---|---|"]
+  rows = [
+      "| workload | ours tok/s | naive tok/s | Tunix tok/s | ours / naive | ours / Tunix | target | compiles (ours) "
+      "| compile s (ours / naive / Tunix) |",
+      "|---|---|---|---|---|---|---|---|---|"
+  ]
   for w in WORKLOADS:
     r = {e: results[(w, e)] for e in ENGINES}
     speed = {e: r[e]["new_tokens_per_s"] for e in ENGINES}

@@ -11,16 +11,15 @@ import argparse
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
-
 from train_vs_tunix import TINY, pools, trainer  # noqa: E402  (sets up 8 CPU devices)
+
 from jaxrl_hex.config import base_config  # noqa: E402
-from jaxrl_hex.models import Policy  # noqa: E402
+from jaxrl_hex.models.policy import Policy  # noqa: E402
 from jaxrl_hex.models.config import model_config  # noqa: E402
 
 
@@ -34,8 +33,7 @@ def heavy_tailed_batch(n=128, p=32, c=224, seed=0):
     valid[i, p - prompt_lens[i]:p + completion_lens[i]] = True
   loss_mask = valid[:, p:]
   return dict(tokens=tokens, valid=valid, loss_mask=loss_mask,
-              behav_logp=np.where(loss_mask, -6.0, 0).astype(np.float32),
-              rewards=rng.normal(size=n).astype(np.float32),
+              behav_logp=np.where(loss_mask, -6.0, 0).astype(np.float32), rewards=rng.normal(size=n).astype(np.float32),
               group_ids=np.repeat(np.arange(n // 8), 8).astype(np.int32), versions=np.zeros((n, c), np.int32))
 
 
@@ -47,8 +45,12 @@ def measure(batch, steps, **layout):
   first = tr.step(batch)
   runs = [tr.step(batch) for _ in range(steps)]
   best = max(runs, key=lambda m: m["train_tokens_per_s"])
-  return {k: best[k] for k in ("train_tokens_per_s", "train_seconds", "padding_share", "micro_batches",
-                               "pack_rows", "shard_imbalance")} | {"first_step_s": first["train_seconds"]}
+  return {
+      k: best[k]
+      for k in ("train_tokens_per_s", "train_seconds", "padding_share", "micro_batches", "pack_rows", "shard_imbalance")
+  } | {
+      "first_step_s": first["train_seconds"]
+  }
 
 
 def main():
@@ -60,9 +62,17 @@ def main():
   padded = measure(batch, args.steps, micro_batch_tokens=4096)
   packed = measure(batch, args.steps, micro_batch_tokens=4096, pack=True)
   ratio = packed["train_tokens_per_s"] / padded["train_tokens_per_s"]
-  results = {"lengths": {"mean": float(lengths.mean()), "p50": float(np.median(lengths)), "max": int(lengths.max()),
-                         "real_tokens": int(lengths.sum())},
-             "padded": padded, "packed": packed, "ratio_train_tokens_per_s": ratio}
+  results = {
+      "lengths": {
+          "mean": float(lengths.mean()),
+          "p50": float(np.median(lengths)),
+          "max": int(lengths.max()),
+          "real_tokens": int(lengths.sum())
+      },
+      "padded": padded,
+      "packed": packed,
+      "ratio_train_tokens_per_s": ratio
+  }
   print(f"train tokens/s: padded {padded['train_tokens_per_s']:.0f} (padding {padded['padding_share']:.1%}), "
         f"packed {packed['train_tokens_per_s']:.0f} (padding {packed['padding_share']:.1%}) -> {ratio:.2f}x "
         "(goal >= 1.3x, padding <= 5%)")

@@ -25,9 +25,8 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.sft import peft_trainer  # noqa: E402
 
 PAD, EOS, BOS = 0, 1, 2
-TINY = dict(num_layers=4, vocab_size=512, embed_dim=256, hidden_dim=1024, num_heads=4, head_dim=64,
-            num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=True)
-
+TINY = dict(num_layers=4, vocab_size=512, embed_dim=256, hidden_dim=1024, num_heads=4, head_dim=64, num_kv_heads=2,
+            rope_theta=10000, norm_eps=1e-6, use_tied_embedding=True)
 
 LAYOUTS = {"2x2": ((0, 1, 2, 3), (4, 5, 6, 7), (2, 2)), "1+1": ((0,), (1,), (1, 1))}  # train, rollout, shape
 
@@ -53,16 +52,17 @@ def w3(seqs, prompt, completion, steps):
   algo = grpo_learner.GRPOConfig(num_generations=8, beta=0.0, epsilon=0.2, loss_agg_mode="token-mean")
   algo.temperature = 1.0
   trainer = peft_trainer.PeftTrainer(model, optax.adamw(1e-5), peft_trainer.TrainingConfig(eval_every_n_steps=10**6))
-  trainer.with_loss_fn(lambda model, train_example, algo_config: algo_core.grpo_loss_fn(
-      model, train_example, algo_config, pad_id=PAD, eos_id=EOS), has_aux=True)
+  trainer.with_loss_fn(
+      lambda model, train_example, algo_config: algo_core.grpo_loss_fn(model, train_example, algo_config, pad_id=PAD,
+                                                                       eos_id=EOS), has_aux=True)
   trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
   rng = np.random.default_rng(0)
   prompts = np.repeat(rng.integers(3, 512, (seqs // 8, prompt)).astype(np.int32), 8, axis=0)  # groups of 8
-  example = grpo_learner.TrainExample(
-      prompt_ids=prompts, prompt_mask=np.ones((seqs, prompt), bool),
-      completion_ids=rng.integers(3, 512, (seqs, completion)).astype(np.int32),
-      completion_mask=np.ones((seqs, completion), bool),
-      advantages=rng.normal(size=seqs).astype(np.float32), ref_per_token_logps=None, old_per_token_logps=None)
+  example = grpo_learner.TrainExample(prompt_ids=prompts, prompt_mask=np.ones(
+      (seqs, prompt),
+      bool), completion_ids=rng.integers(3, 512, (seqs, completion)).astype(np.int32), completion_mask=np.ones(
+          (seqs, completion), bool), advantages=rng.normal(size=seqs).astype(np.float32), ref_per_token_logps=None,
+                                      old_per_token_logps=None)
   with jax.set_mesh(train_mesh):
     step, _ = trainer.jit_train_and_eval_step()
     t0 = time.perf_counter()
@@ -102,21 +102,24 @@ def w4(prompts, group, prompt, new, steps, layout="2x2"):
   train_mesh, rollout_mesh = mesh(train, shape), mesh(rollout_ids, shape)
   rng = np.random.default_rng(0)
   # an array, not a list: the learner repeats each prompt per sample with tree maps
-  data = [{"prompts": np.array([" ".join(map(str, rng.integers(3, 512, prompt - 1))) for _ in range(prompts)])}
-          for _ in range(steps + 1)]
-  training = rl_cluster_lib.RLTrainingConfig(
-      actor_optimizer=optax.adamw(1e-5), eval_every_n_steps=10**6, max_steps=1, mini_batch_size=prompts)
+  data = [{
+      "prompts": np.array([" ".join(map(str, rng.integers(3, 512, prompt - 1))) for _ in range(prompts)])
+  } for _ in range(steps + 1)]
+  training = rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.adamw(1e-5), eval_every_n_steps=10**6, max_steps=1,
+                                             mini_batch_size=prompts)
   rollout = base_rollout.RolloutConfig(max_tokens_to_generate=new, max_prompt_length=prompt, temperature=1.0,
                                        kv_cache_size=prompt + new + 8)
   cluster = rl_cluster_lib.RLCluster(
-      actor=model_on(train_mesh), reference=None, tokenizer=Tokens(),
-      cluster_config=rl_cluster_lib.ClusterConfig(
-          role_to_mesh={rl_cluster_lib.Role.ACTOR: train_mesh, rl_cluster_lib.Role.REFERENCE: train_mesh,
-                        rl_cluster_lib.Role.ROLLOUT: rollout_mesh},
-          rollout_engine="vanilla", offload_to_cpu=False, training_config=training, rollout_config=rollout))
+      actor=model_on(train_mesh), reference=None, tokenizer=Tokens(), cluster_config=rl_cluster_lib.ClusterConfig(
+          role_to_mesh={
+              rl_cluster_lib.Role.ACTOR: train_mesh,
+              rl_cluster_lib.Role.REFERENCE: train_mesh,
+              rl_cluster_lib.Role.ROLLOUT: rollout_mesh
+          }, rollout_engine="vanilla", offload_to_cpu=False, training_config=training, rollout_config=rollout))
   algo = grpo_learner.GRPOConfig(num_generations=group, beta=0.0, epsilon=0.2)
-  learner = grpo_learner.GRPOLearner(cluster, algo, reward_fns=lambda prompts, completions, **_: [
-      float(len(c)) for c in completions])   # trivial reward
+  learner = grpo_learner.GRPOLearner(
+      cluster, algo,
+      reward_fns=lambda prompts, completions, **_: [float(len(c)) for c in completions])  # trivial reward
   t0 = time.perf_counter()
   learner.train(data[:1])  # first step: compiles
   first = time.perf_counter() - t0

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from jaxrl_hex import meshes  # noqa: E402
 from jaxrl_hex.config import base_config  # noqa: E402
-from jaxrl_hex.models import Policy  # noqa: E402
+from jaxrl_hex.models.policy import Policy  # noqa: E402
 from jaxrl_hex.models.config import model_config  # noqa: E402
 from jaxrl_hex.rl.objectives import make_rl_loss  # noqa: E402
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer  # noqa: E402
@@ -48,8 +48,8 @@ def pools():
 
 
 def trainer(policy, pool, algo):
-  optim = ml_collections.ConfigDict(dict(lr=1e-5, warmup_steps=0, end_lr_ratio=1.0, b1=0.9, b2=0.999,
-                                         weight_decay=0.0, grad_clip=1e9))
+  optim = ml_collections.ConfigDict(
+      dict(lr=1e-5, warmup_steps=0, end_lr_ratio=1.0, b1=0.9, b2=0.999, weight_decay=0.0, grad_clip=1e9))
   return Trainer(policy, pool, make_optimizer(optim, 100), make_rl_loss(algo, 1.0), policy.init(0))
 
 
@@ -67,10 +67,10 @@ def ours_w3(seqs, prompt, completion, steps, share_prompts=True):
   tr = trainer(policy, pools()["train"], algo)
   rng = np.random.default_rng(0)
   n, width = seqs, prompt + completion
-  batch = dict(tokens=grpo_tokens(rng, n, prompt, completion), valid=np.ones((n, width), bool),
-               loss_mask=np.ones((n, completion), bool), behav_logp=np.full((n, completion), -6.0, np.float32),
-               rewards=rng.normal(size=n).astype(np.float32), group_ids=np.repeat(np.arange(n // 8), 8).astype(np.int32),
-               versions=np.zeros((n, completion), np.int32))
+  batch = dict(tokens=grpo_tokens(rng, n, prompt, completion), valid=np.ones((n, width), bool), loss_mask=np.ones(
+      (n, completion), bool), behav_logp=np.full((n, completion), -6.0,
+                                                 np.float32), rewards=rng.normal(size=n).astype(np.float32),
+               group_ids=np.repeat(np.arange(n // 8), 8).astype(np.int32), versions=np.zeros((n, completion), np.int32))
   t0 = time.perf_counter()
   tr.step(batch)
   first = time.perf_counter() - t0
@@ -98,8 +98,10 @@ def w4_task(config):
   """Prompts of 31 random token ids (32 with BOS), a trivial reward (completion length)."""
   from jaxrl_hex.tasks import Task
   rng = np.random.default_rng(0)
-  records = [{"prompt": " ".join(map(str, rng.integers(3, 512, config.task_args.prompt - 1))), "answer": ""}
-             for _ in range(256)]
+  records = [{
+      "prompt": " ".join(map(str, rng.integers(3, 512, config.task_args.prompt - 1))),
+      "answer": ""
+  } for _ in range(256)]
   return Task("w4", records[8:], records[:8], lambda prompt, completion, answer: float(len(completion)), IdTokens())
 
 
@@ -111,6 +113,7 @@ def ours_w4(prompts, group, prompt, new, steps, eta=0, layout="2x2"):
   pool, device_put weight sync) for 2 + steps + 1 GRPO steps; seconds/step from the metrics rows of
   the steady steps (the first two compile, the last evaluates). eta = 0 is synchronous like Tunix."""
   import tempfile
+
   from jaxrl_hex import commands, tasks
   from jaxrl_hex.metrics import read_jsonl
   tasks.BUILTIN["w4"] = "__main__:w4_task"
@@ -122,21 +125,27 @@ def ours_w4(prompts, group, prompt, new, steps, eta=0, layout="2x2"):
   cfg.algo.update(dict(clip_eps_high=0.2, loss_agg="seq-mean-token-mean", share_prompts=True))  # Tunix GRPO defaults
   cfg.optim.update(dict(lr=1e-5, warmup_steps=0))
   cfg.sft.update(dict(max_steps=0, eval_size=8))
-  cfg.train.update(dict(steps=steps + 3, max_staleness=eta, eval_size=8, eval_every=10**6,
-                        checkpoint_every=10**6, log_every=10**6))
+  cfg.train.update(
+      dict(steps=steps + 3, max_staleness=eta, eval_size=8, eval_every=10**6, checkpoint_every=10**6, log_every=10**6))
   workdir = tempfile.mkdtemp(prefix="w4-")
   commands.train(cfg, workdir)
-  wall = [r["wall_s"] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-          if r.get("phase") == "train" and "loss" in r]
-  return {"step_s": (wall[-2] - wall[1]) / steps, "first_steps_s": wall[1] - wall[0] if len(wall) > 1 else None,
-          "steps": steps, "max_staleness": eta}
+  wall = [
+      r["wall_s"] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+      if r.get("phase") == "train" and "loss" in r
+  ]
+  return {
+      "step_s": (wall[-2] - wall[1]) / steps,
+      "first_steps_s": wall[1] - wall[0] if len(wall) > 1 else None,
+      "steps": steps,
+      "max_staleness": eta
+  }
 
 
 def tunix(which, args):
   if not os.path.exists(TUNIX_PY):
     raise SystemExit(f"{TUNIX_PY} is missing; run: bash benchmarks/setup_tunix.sh")
-  out = subprocess.run([TUNIX_PY, os.path.join(HERE, "train_tunix_side.py"), which, json.dumps(args)],
-                       capture_output=True, text=True, check=True)
+  out = subprocess.run([TUNIX_PY, os.path.join(HERE, "train_tunix_side.py"), which,
+                        json.dumps(args)], capture_output=True, text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])["tunix"]
 
 
@@ -153,9 +162,14 @@ def main():
     w3 = dict(seqs=64, prompt=32, completion=64, steps=args.steps)
     ours, theirs = ours_w3(**w3), tunix("w3", w3)
     unshared = ours_w3(**w3, share_prompts=False)
-    results["w3"] = {"workload": w3, "ours": ours, "ours_without_shared_prompts": unshared, "tunix": theirs,
-                     "ratio_train_tokens_per_s": ours["train_tokens_per_s"] / theirs["train_tokens_per_s"],
-                     "ratio_without_shared_prompts": unshared["train_tokens_per_s"] / theirs["train_tokens_per_s"]}
+    results["w3"] = {
+        "workload": w3,
+        "ours": ours,
+        "ours_without_shared_prompts": unshared,
+        "tunix": theirs,
+        "ratio_train_tokens_per_s": ours["train_tokens_per_s"] / theirs["train_tokens_per_s"],
+        "ratio_without_shared_prompts": unshared["train_tokens_per_s"] / theirs["train_tokens_per_s"]
+    }
     print(f"W3 train tokens/s: ours {ours['train_tokens_per_s']:.0f} (without shared prompts "
           f"{unshared['train_tokens_per_s']:.0f}), tunix {theirs['train_tokens_per_s']:.0f} "
           f"-> {results['w3']['ratio_train_tokens_per_s']:.2f}x (goal >= 1.2x)")
@@ -164,9 +178,14 @@ def main():
     runs = [(ours_w4(**w4), tunix("w4", w4), ours_w4(**w4, eta=1)) for _ in range(args.rounds)]
     sync, theirs, overlapped = (min(side, key=lambda r: r["step_s"]) for side in zip(*runs))
     key = "w4" if layout == "2x2" else "w4_1+1"
-    results[key] = {"workload": w4, "ours_sync": sync, "ours_async": overlapped, "tunix": theirs,
-                    "speedup_sync": theirs["step_s"] / sync["step_s"],
-                    "speedup_async": theirs["step_s"] / overlapped["step_s"]}
+    results[key] = {
+        "workload": w4,
+        "ours_sync": sync,
+        "ours_async": overlapped,
+        "tunix": theirs,
+        "speedup_sync": theirs["step_s"] / sync["step_s"],
+        "speedup_async": theirs["step_s"] / overlapped["step_s"]
+    }
     print(f"W4 ({layout}) seconds/step: ours {sync['step_s']:.2f} synchronous (eta 0), {overlapped['step_s']:.2f} "
           f"async (eta 1); tunix {theirs['step_s']:.2f} -> {results[key]['speedup_sync']:.2f}x / "
           f"{results[key]['speedup_async']:.2f}x faster (goal >= 2x)")

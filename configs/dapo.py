@@ -8,7 +8,7 @@ from jaxrl_hex.config import load_config_file
 
 def get_config():
   cfg = load_config_file(os.path.join(os.path.dirname(__file__), "arith_grpo.py"))
-  cfg.algo.update(dict(advantage="grpo", loss="ppo", loss_agg="token-mean", clip_eps_low=0.2,
-                       clip_eps_high=0.28, kl_coef=0.0, dynamic_sampling=True, dynamic_sampling_max_rounds=4,
-                       overlong_buffer=2, overlong_penalty=1.0))
+  cfg.algo.update(
+      dict(advantage="grpo", loss="ppo", loss_agg="token-mean", clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0,
+           dynamic_sampling=True, dynamic_sampling_max_rounds=4, overlong_buffer=2, overlong_penalty=1.0))
   return cfg

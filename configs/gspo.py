@@ -9,6 +9,7 @@ from jaxrl_hex.config import load_config_file
 
 def get_config():
   cfg = load_config_file(os.path.join(os.path.dirname(__file__), "arith_grpo.py"))
-  cfg.algo.update(dict(advantage="grpo", loss="gspo", loss_agg="seq-mean-token-mean", clip_eps_low=3e-3,
-                       clip_eps_high=4e-3, behav_weight_level="sequence", minibatches=2, kl_coef=0.0))
+  cfg.algo.update(
+      dict(advantage="grpo", loss="gspo", loss_agg="seq-mean-token-mean", clip_eps_low=3e-3, clip_eps_high=4e-3,
+           behav_weight_level="sequence", minibatches=2, kl_coef=0.0))
   return cfg

@@ -10,7 +10,6 @@ import orbax.checkpoint as ocp
 
 from jaxrl_hex.errors import UserError
 
-
 STATE_ITEMS = ("params", "opt_state", "ref_params", "critic")  # critic: {params, opt_state} (PPO)
 
 
@@ -34,9 +33,8 @@ class Checkpointer:
     # handlers named up front, so a fresh process can read a checkpoint's metadata before restoring
     handlers = {name: ocp.StandardCheckpointHandler() for name in STATE_ITEMS}
     handlers["meta"] = ocp.JsonCheckpointHandler()
-    self._mngr = ocp.CheckpointManager(
-        self.directory, item_handlers=handlers,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+    self._mngr = ocp.CheckpointManager(self.directory, item_handlers=handlers,
+                                       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
   def latest_step(self):
     return self._mngr.latest_step()
@@ -75,9 +73,8 @@ class Checkpointer:
       if got is None:
         raise CheckpointError(f"checkpoint {self.directory}/{step} has no {key}; it was saved by another model")
       if got != tuple(leaf.shape):
-        raise CheckpointError(
-            f"checkpoint {self.directory}/{step}: {key} has shape {got} but this config builds "
-            f"{tuple(leaf.shape)}; use the model config the checkpoint was saved with")
+        raise CheckpointError(f"checkpoint {self.directory}/{step}: {key} has shape {got} but this config builds "
+                              f"{tuple(leaf.shape)}; use the model config the checkpoint was saved with")
     if len(saved_shapes) != len(jax.tree.leaves(like)):
       raise CheckpointError(f"checkpoint {self.directory}/{step}: '{name}' holds {len(saved_shapes)} arrays, "
                             f"this run {len(jax.tree.leaves(like))}; it was saved by another model or optimizer")

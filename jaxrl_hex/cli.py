@@ -34,7 +34,8 @@ def _config_command(name: str, argv: list[str]) -> int:
   from jaxrl_hex.errors import RunStopped, UserError
 
   argv = ["jaxrl-hex " + name] + [
-      "--config=" + resolve_path(arg[len("--config="):]) if arg.startswith("--config=") else arg for arg in argv]
+      "--config=" + resolve_path(arg[len("--config="):]) if arg.startswith("--config=") else arg for arg in argv
+  ]
   try:
     fv = config_flag_values(argv)
     fv(argv)
@@ -81,8 +82,8 @@ def config_flag_values(argv):
   from jaxrl_hex.config import resolve_path
   fv = flags.FlagValues()
   # sys_argv: overrides are read from these args, not from the process's sys.argv
-  config_flags.DEFINE_config_file("config", resolve_path(DEFAULT_CONFIG), "config file (get_config())",
-                                  flag_values=fv, lock_config=True, sys_argv=argv)
+  config_flags.DEFINE_config_file("config", resolve_path(DEFAULT_CONFIG), "config file (get_config())", flag_values=fv,
+                                  lock_config=True, sys_argv=argv)
   flags.DEFINE_string("workdir", None, "run directory (default runs/<command>-<time>)", flag_values=fv)
   flags.DEFINE_bool("resume", False, "continue the run in --workdir from its last checkpoint", flag_values=fv)
   flags.DEFINE_multi_string("gin_file", [], "gin file binding config fields (SECTION.FIELD = VALUE); repeatable",

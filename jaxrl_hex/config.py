@@ -19,65 +19,87 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.mesh_file = "meshes/cpu-8.yaml"
-  c.task = "arith"                 # built-in name or path/to/file.py:make_task
+  c.task = "arith"  # built-in name or path/to/file.py:make_task
   c.task_args = ml_collections.ConfigDict({"digits": 2, "eval_size": 256})
   c.model = ml_collections.ConfigDict(MODEL_DEFAULTS)
-  c.init_from = ""                 # a workdir (its latest checkpoint) to start RL from; "" = warm start
-  c.model_dir = ""                 # a Hugging Face model dir: architecture, tokenizer and first weights from it
+  c.init_from = ""  # a workdir (its latest checkpoint) to start RL from; "" = warm start
+  c.model_dir = ""  # a Hugging Face model dir: architecture, tokenizer and first weights from it
 
-  c.sft = ml_collections.ConfigDict(dict(
-      max_steps=3000, batch_size=64, target_accuracy=0.4, eval_every=20, eval_size=256,
-      lr=3e-3, warmup_steps=50, end_lr_ratio=1.0, b1=0.9, b2=0.98, weight_decay=0.0, grad_clip=1.0))
+  c.sft = ml_collections.ConfigDict(
+      dict(max_steps=3000, batch_size=64, target_accuracy=0.4, eval_every=20, eval_size=256, lr=3e-3, warmup_steps=50,
+           end_lr_ratio=1.0, b1=0.9, b2=0.98, weight_decay=0.0, grad_clip=1.0))
 
-  c.rollout = ml_collections.ConfigDict(dict(
-      prompts_per_step=32, group_size=8, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0,
-      reward_timeout_s=10.0,
-      # engine (jaxrl_hex/rollout/engine.py): decode slots (0 = prompts_per_step x group_size), longest
-      # prompt in tokens, extra stop ids ([] = the tokenizer's EOS) and stop strings, weight switch
-      # mid-generation (recompute | finish), decode steps per host hand-back, per-device budget for
-      # KV cache + weights in GiB (0 = the device's own limit where it reports one)
-      min_p=0.0, slots=0, max_prompt_len=64, eos_ids=[], stop=[], interrupt="recompute",
-      steps_per_sync=16, memory_budget_gb=0.0))
+  c.rollout = ml_collections.ConfigDict(
+      dict(
+          prompts_per_step=32,
+          group_size=8,
+          max_new_tokens=6,
+          temperature=1.0,
+          top_k=0,
+          top_p=1.0,
+          reward_timeout_s=10.0,
+          # engine (jaxrl_hex/rollout/engine.py): decode slots (0 = prompts_per_step x group_size), longest
+          # prompt in tokens, extra stop ids ([] = the tokenizer's EOS) and stop strings, weight switch
+          # mid-generation (recompute | finish), decode steps per host hand-back, per-device budget for
+          # KV cache + weights in GiB (0 = the device's own limit where it reports one)
+          min_p=0.0,
+          slots=0,
+          max_prompt_len=64,
+          eos_ids=[],
+          stop=[],
+          interrupt="recompute",
+          steps_per_sync=16,
+          memory_budget_gb=0.0))
 
   # The RL algorithm (jaxrl_hex/rl): pieces by registered name, presets in configs/{grpo,dapo,ppo,...}.py
-  c.algo = ml_collections.ConfigDict(dict(
-      advantage="grpo",           # grpo | drgrpo | rloo | reinforce_pp | gae (PPO; needs algo.critic)
-      loss="ppo",                 # ppo | dual_clip | gspo | cispo, all decoupled (behaviour/proximal/current)
-      loss_agg="token-mean",      # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-      clip_eps_low=0.2, clip_eps_high=0.28,         # asymmetric clip (DAPO clip-higher)
-      dual_clip_c=3.0,                              # dual_clip: objective floor c * A for A < 0
-      behav_weight_cap=5.0, behav_weight_mode="mask",  # pi_prox/pi_behav above the cap: mask|truncate
-      behav_weight_level="token",                   # token | sequence (product over the sequence)
-      kl_coef=0.0,                                  # > 0 keeps a frozen reference on the train pool
-      kl_mode="loss", kl_estimator="k3",            # loss | reward (per-token penalty); k1 | k2 | k3
-      entropy_coef=0.0,                             # entropy bonus
-      gamma=1.0, gae_lambda=1.0,                    # reinforce_pp / gae discounting
-      loss_norm_length=0,                           # seq-mean-token-sum-norm divisor; 0 = max_new_tokens
-      prox_logp="recompute",                        # recompute | interpolate (log-linear by version)
-      minibatches=1,                                # optimizer updates per step (one per minibatch)
-      pack=False, pack_length=0,                    # pack sequences into rows (0 = padded width)
-      share_prompts=False,                          # run each group's prompt once (excludes pack)
-      micro_batch_tokens=0,                         # token budget per micro-batch; 0 = no accumulation
-      dynamic_sampling=False, dynamic_sampling_max_rounds=8,  # DAPO: drop zero-variance groups
-      overlong_buffer=0, overlong_penalty=1.0,      # DAPO soft overlong punishment (0 = off)
-      critic=ml_collections.ConfigDict(dict(        # lr > 0 builds a critic (value head); gae needs one
-          lr=0.0, vf_coef=0.5, value_clip=0.2, grad_clip=1.0))))
+  c.algo = ml_collections.ConfigDict(
+      dict(
+          advantage="grpo",  # grpo | drgrpo | rloo | reinforce_pp | gae (PPO; needs algo.critic)
+          loss="ppo",  # ppo | dual_clip | gspo | cispo, all decoupled (behaviour/proximal/current)
+          loss_agg="token-mean",  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+          clip_eps_low=0.2,
+          clip_eps_high=0.28,  # asymmetric clip (DAPO clip-higher)
+          dual_clip_c=3.0,  # dual_clip: objective floor c * A for A < 0
+          behav_weight_cap=5.0,
+          behav_weight_mode="mask",  # pi_prox/pi_behav above the cap: mask|truncate
+          behav_weight_level="token",  # token | sequence (product over the sequence)
+          kl_coef=0.0,  # > 0 keeps a frozen reference on the train pool
+          kl_mode="loss",
+          kl_estimator="k3",  # loss | reward (per-token penalty); k1 | k2 | k3
+          entropy_coef=0.0,  # entropy bonus
+          gamma=1.0,
+          gae_lambda=1.0,  # reinforce_pp / gae discounting
+          loss_norm_length=0,  # seq-mean-token-sum-norm divisor; 0 = max_new_tokens
+          prox_logp="recompute",  # recompute | interpolate (log-linear by version)
+          minibatches=1,  # optimizer updates per step (one per minibatch)
+          pack=False,
+          pack_length=0,  # pack sequences into rows (0 = padded width)
+          share_prompts=False,  # run each group's prompt once (excludes pack)
+          micro_batch_tokens=0,  # token budget per micro-batch; 0 = no accumulation
+          dynamic_sampling=False,
+          dynamic_sampling_max_rounds=8,  # DAPO: drop zero-variance groups
+          overlong_buffer=0,
+          overlong_penalty=1.0,  # DAPO soft overlong punishment (0 = off)
+          critic=ml_collections.ConfigDict(
+              dict(  # lr > 0 builds a critic (value head); gae needs one
+                  lr=0.0, vf_coef=0.5, value_clip=0.2, grad_clip=1.0))))
 
-  c.optim = ml_collections.ConfigDict(dict(
-      lr=3e-4, warmup_steps=20, end_lr_ratio=0.1, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0))
+  c.optim = ml_collections.ConfigDict(
+      dict(lr=3e-4, warmup_steps=20, end_lr_ratio=0.1, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0))
 
-  c.train = ml_collections.ConfigDict(dict(
-      steps=400, max_staleness=2, eval_every=50, eval_size=256,
-      checkpoint_every=100, keep_checkpoints=2, log_every=10))
+  c.train = ml_collections.ConfigDict(
+      dict(steps=400, max_staleness=2, eval_every=50, eval_size=256, checkpoint_every=100, keep_checkpoints=2,
+           log_every=10))
 
   c.sync = ml_collections.ConfigDict(dict(method="device_put", directory=""))  # "" = WORKDIR/sync
 
-  c.cluster = ml_collections.ConfigDict(dict(
-      backend="local",            # local: pools are device subsets of this process; ray: Ray actors
-      ray_address="",             # "" starts a local Ray; else host:port, ray://host:port or auto
-      worker_timeout_s=300.0,     # a rollout call running longer than this counts as a lost worker
-      train_timeout_s=1800.0,     # a train call (step, publish, save) longer than this: a lost train process
-      max_restarts=10))           # lost rollout workers replaced before the run gives up
+  c.cluster = ml_collections.ConfigDict(
+      dict(
+          backend="local",  # local: pools are device subsets of this process; ray: Ray actors
+          ray_address="",  # "" starts a local Ray; else host:port, ray://host:port or auto
+          worker_timeout_s=300.0,  # a rollout call running longer than this counts as a lost worker
+          train_timeout_s=1800.0,  # a train call (step, publish, save) longer than this: a lost train process
+          max_restarts=10))  # lost rollout workers replaced before the run gives up
   # metrics.jsonl always; TensorBoard under WORKDIR/tb; W&B when a project is named (needs `pip install wandb`)
   c.log = ml_collections.ConfigDict(dict(tensorboard=True, wandb_project="", wandb_entity="", wandb_run_name=""))
   return c

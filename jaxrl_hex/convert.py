@@ -33,7 +33,7 @@ def from_hf(model_dir: str, out: str, dtype=None, mesh_file=None):
 
   from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
   from jaxrl_hex.config import base_config, resolve_path
-  from jaxrl_hex.models import Policy
+  from jaxrl_hex.models.policy import Policy
   from jaxrl_hex.models.hf import hf_model_config, load_params
   ckpt_dir = os.path.join(out, "checkpoints")
   if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
@@ -63,7 +63,7 @@ def to_hf(workdir: str, out: str, dtype=None, step=None):
 
   from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
   from jaxrl_hex.config import resolve_path
-  from jaxrl_hex.models import Policy
+  from jaxrl_hex.models.policy import Policy
   from jaxrl_hex.models.config import model_config
   from jaxrl_hex.models.hf import save_hf
   path = os.path.join(workdir, "config.json")

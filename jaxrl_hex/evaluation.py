@@ -3,7 +3,7 @@ import jax
 
 
 def greedy_completions(engine, records, batch_size: int) -> list[str]:
-  ways = engine.pool.batch_divisor
+  ways = engine.pool.batch_ways
   out = []
   for i in range(0, len(records), batch_size):
     chunk = records[i:i + batch_size]

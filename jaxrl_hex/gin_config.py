@@ -27,8 +27,10 @@ _CONFIGURABLES = {}  # dotted section path ("" = top level) -> gin configurable 
 def _configurable(path: str):
   """The gin configurable for one section, registered once per process."""
   if path not in _CONFIGURABLES:
+
     def section(**bindings):
       return bindings
+
     parent, _, name = path.rpartition(".")
     module = ".".join(filter(None, [MODULE, parent])) if path else "jaxrl_hex"
     section.__name__ = name or "config"

@@ -7,7 +7,6 @@ layout is a new table in the mesh file, never new code.
 """
 import dataclasses
 import os
-import typing
 
 import yaml
 
@@ -39,12 +38,12 @@ class PoolSpec:
   axes: dict  # mesh axis name -> size, in mesh order
   rules: dict
   device_type: str | None = None
-  processes: int = 1        # JAX processes forming this pool's runtime (Ray backend)
-  hosts: int = 1            # machines those processes span
-  replicas: int = 1         # rollout: independent copies of this pool, each its own runtime
+  processes: int = 1  # JAX processes forming this pool's runtime (Ray backend)
+  hosts: int = 1  # machines those processes span
+  replicas: int = 1  # rollout: independent copies of this pool, each its own runtime
   ray_options: dict = dataclasses.field(default_factory=dict)  # per worker actor, e.g. {num_gpus: 4}
-  affinity: tuple = ()      # CPU cores its processes are pinned to (Ray backend on one machine)
-  groups: tuple = ()        # rollout replicas of differing type / TP degree, as the planner writes them
+  affinity: tuple = ()  # CPU cores its processes are pinned to (Ray backend on one machine)
+  groups: tuple = ()  # rollout replicas of differing type / TP degree, as the planner writes them
 
   def partition_spec(self, logical_axes, shape=None, what="array"):
     """Logical axis names -> PartitionSpec over this pool's mesh; checks that each dim divides."""
@@ -57,9 +56,8 @@ class PoolSpec:
         for a in mesh_axes:
           n *= self.axes[a]
         if shape[i] % n:
-          raise MeshError(
-              f"pools.{self.name}: {what} dim {i} ('{name}', size {shape[i]}) does not divide over mesh "
-              f"axes {mesh_axes} (size {n}); change the mesh or the rule for '{name}' in the mesh file")
+          raise MeshError(f"pools.{self.name}: {what} dim {i} ('{name}', size {shape[i]}) does not divide over mesh "
+                          f"axes {mesh_axes} (size {n}); change the mesh or the rule for '{name}' in the mesh file")
       used.update(mesh_axes)
       parts.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
     return PartitionSpec(*parts)
@@ -90,7 +88,8 @@ class MeshFile:
 
 def load_mesh_file(path: str) -> MeshFile:
   if not os.path.exists(path):
-    raise MeshError(f"mesh_file: {path!r} does not exist; pass --config.mesh_file=meshes/cpu-8.yaml or another file in meshes/")
+    raise MeshError(
+        f"mesh_file: {path!r} does not exist; pass --config.mesh_file=meshes/cpu-8.yaml or another file in meshes/")
   with open(path) as f:
     raw = yaml.safe_load(f) or {}
   pools_raw = raw.get("pools")
@@ -124,16 +123,17 @@ def load_mesh_file(path: str) -> MeshFile:
     if len(ids) % processes:
       raise MeshError(f"{path}: pools.{name} has {len(ids)} devices over {processes} processes; "
                       "make the device count a multiple of processes")
-    pools[name] = PoolSpec(name, ids, axes, rules, p.get("device_type"), processes,
-                           int(p.get("hosts", 1)), replicas, dict(p.get("ray") or {}),
-                           tuple(p.get("affinity") or ()), tuple(groups))
+    pools[name] = PoolSpec(name, ids, axes, rules, p.get("device_type"), processes, int(p.get("hosts", 1)), replicas,
+                           dict(p.get("ray") or {}), tuple(p.get("affinity") or ()), tuple(groups))
   all_ids = [i for p in pools.values() for i in p.device_ids]
   num_devices = raw.get("num_devices")
   if num_devices is not None and max(all_ids) >= num_devices:
     raise MeshError(f"{path}: the pools use device ids up to {max(all_ids)} but num_devices is {num_devices}; "
                     f"raise num_devices to {max(all_ids) + 1} or shrink the pools")
   if len(set(all_ids)) != len(all_ids) and not raw.get("share_devices", False):
-    raise MeshError(f"{path}: pools share devices {sorted({i for i in all_ids if all_ids.count(i) > 1})}; give each pool its own devices, or set share_devices: true (one accelerator: both pools on it, weights held twice)")
+    shared = sorted({i for i in all_ids if all_ids.count(i) > 1})
+    raise MeshError(f"{path}: pools share devices {shared}; give each pool its own devices, or set "
+                    "share_devices: true (one accelerator: both pools on it, weights held twice)")
   return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools)
 
 
@@ -175,9 +175,8 @@ class Pool:
     from jax.sharding import Mesh
     available = devices if devices is not None else jax.devices()
     if max(spec.device_ids) >= len(available):
-      raise MeshError(
-          f"pools.{spec.name} needs device ids up to {max(spec.device_ids)} but only {len(available)} "
-          f"{available[0].platform} devices exist; shrink the pool's mesh or run on more devices")
+      raise MeshError(f"pools.{spec.name} needs device ids up to {max(spec.device_ids)} but only {len(available)} "
+                      f"{available[0].platform} devices exist; shrink the pool's mesh or run on more devices")
     if spec.groups:
       raise MeshError(f"pools.{spec.name} has replica groups of differing layouts (a planner output for a "
                       "mixed cluster); one runtime cannot hold them: run each group as its own mesh file")
@@ -204,20 +203,24 @@ class Pool:
     import jax
     paths = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shapes_tree)}
     return jax.tree_util.tree_map_with_path(
-        lambda p, ax: self.sharding(ax, paths[jax.tree_util.keystr(p)].shape, jax.tree_util.keystr(p)),
-        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+        lambda p, ax: self.sharding(ax, paths[jax.tree_util.keystr(p)].shape, jax.tree_util.keystr(p)), axes_tree,
+        is_leaf=lambda x: isinstance(x, tuple))
 
   def replicated(self):
     from jax.sharding import NamedSharding, PartitionSpec
     return NamedSharding(self.mesh, PartitionSpec())
 
   @property
-  def batch_divisor(self) -> int:
+  def batch_ways(self) -> int:
     return self.spec.batch_ways
 
   def describe(self) -> dict:
-    return {"role": self.name, "devices": [d.id for d in self.devices],
-            "platform": self.devices[0].platform, "mesh": self.axis_sizes}
+    return {
+        "role": self.name,
+        "devices": [d.id for d in self.devices],
+        "platform": self.devices[0].platform,
+        "mesh": self.axis_sizes
+    }
 
 
 def build_pools(mesh_file: MeshFile, devices=None) -> dict:
@@ -231,8 +234,9 @@ def to_host(tree):
   from jax.experimental import multihost_utils
   if jax.process_count() == 1:
     return jax.device_get(tree)
-  return jax.tree.map(lambda x: jax.device_get(x) if getattr(x, "is_fully_addressable", True)
-                      else multihost_utils.process_allgather(x, tiled=True), tree)
+  return jax.tree.map(
+      lambda x: jax.device_get(x)
+      if getattr(x, "is_fully_addressable", True) else multihost_utils.process_allgather(x, tiled=True), tree)
 
 
 def local_device(pool) -> "jax.Device":

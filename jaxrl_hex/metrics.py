@@ -56,8 +56,12 @@ class Recorder:
           self._tb.add_histogram_raw(tag, **_raw_histogram(counts), global_step=step, walltime=walltime)
       if self._wandb is not None:
         import wandb
-        self._wandb.log({**scalars, f"{row.get('phase', 'run')}/step": step,
-                         **{t: wandb.Histogram(np_histogram=_np_histogram(c)) for t, c in hists.items()}})
+        self._wandb.log({
+            **scalars, f"{row.get('phase', 'run')}/step": step,
+            **{
+                t: wandb.Histogram(np_histogram=_np_histogram(c)) for t, c in hists.items()
+            }
+        })
 
   def span(self, pool: str, kind: str, start: float, end: float, **extra):
     """Wall-clock interval (time.time()) during which `pool` did `kind` work."""
@@ -93,8 +97,8 @@ def _raw_histogram(counts: dict) -> dict:
   values = sorted(counts)
   n = sum(counts.values())
   return dict(min=values[0], max=values[-1], num=n, sum=sum(v * c for v, c in counts.items()),
-              sum_squares=sum(v * v * c for v, c in counts.items()),
-              bucket_limits=[v + 0.5 for v in values], bucket_counts=[counts[v] for v in values])
+              sum_squares=sum(v * v * c for v, c in counts.items()), bucket_limits=[v + 0.5 for v in values],
+              bucket_counts=[counts[v] for v in values])
 
 
 def _np_histogram(counts: dict):
@@ -109,9 +113,9 @@ def _start_wandb(workdir, config, append):
     raise UserError("log.wandb_project is set but wandb is not installed; `pip install wandb`, "
                     "or leave --config.log.wandb_project empty") from None
   log = config.log
-  run = wandb.init(project=log.wandb_project, entity=log.get("wandb_entity") or None,
-                   name=log.get("wandb_run_name") or os.path.basename(os.path.abspath(workdir)),
-                   dir=workdir, config=config.to_dict(), resume="allow" if append else None)
+  run = wandb.init(project=log.wandb_project, entity=log.get("wandb_entity") or None, name=log.get("wandb_run_name") or
+                   os.path.basename(os.path.abspath(workdir)), dir=workdir, config=config.to_dict(),
+                   resume="allow" if append else None)
   for phase in ("sft", "warmstart", "train"):  # phases restart their step count: one x-axis each
     run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
   return run
@@ -123,12 +127,10 @@ def read_jsonl(path):
 
 
 # Headline figures in display order: (row key, label, format); absent keys are left out.
-HEADLINE = (
-    ("reward_mean", "reward", "{:.3f}"), ("eval_accuracy", "eval acc", "{:.3f}"),
-    ("loss", "loss", "{:.4f}"), ("token_accuracy", "token acc", "{:.3f}"),
-    ("staleness_mean", "staleness", "{:.2f}"),
-    ("rollout_tokens_per_s", "rollout tok/s", "{}"), ("train_tokens_per_s", "train tok/s", "{}"),
-    ("sync_seconds", "sync", "{}"))
+HEADLINE = (("reward_mean", "reward", "{:.3f}"), ("eval_accuracy", "eval acc", "{:.3f}"), ("loss", "loss", "{:.4f}"),
+            ("token_accuracy", "token acc", "{:.3f}"), ("staleness_mean", "staleness", "{:.2f}"),
+            ("rollout_tokens_per_s", "rollout tok/s", "{}"), ("train_tokens_per_s", "train tok/s",
+                                                              "{}"), ("sync_seconds", "sync", "{}"))
 
 
 def _si(x: float) -> str:
@@ -185,8 +187,8 @@ class Progress:
       return
     if self.live is not None:
       self.live.update(self._render())
-    elif (step // self.every > self._printed // self.every or step == self.total
-          or row.get("eval_accuracy") is not None):  # steps may jump (generate counts samples)
+    elif (step // self.every > self._printed // self.every or step == self.total or
+          row.get("eval_accuracy") is not None):  # steps may jump (generate counts samples)
       self._printed = step
       print(self.line(), file=self.stream, flush=True)
 
@@ -217,8 +219,10 @@ class Progress:
   def line(self) -> str:
     step = self.last.get("step", 0)
     rate = self.rate()
-    head = [f"{self.title} {step}/{self.total}", f"{100 * step / max(self.total, 1):.0f}%",
-            f"elapsed {_duration(time.time() - self.t0)}", f"eta {self.eta()}"]
+    head = [
+        f"{self.title} {step}/{self.total}", f"{100 * step / max(self.total, 1):.0f}%",
+        f"elapsed {_duration(time.time() - self.t0)}", f"eta {self.eta()}"
+    ]
     if rate is not None:
       head.append(f"{rate:.2f} {self.unit}/s")
     return " | ".join([" ".join(head)] + [f"{label} {text}" for label, text in self.figures()])
@@ -231,12 +235,12 @@ class Progress:
     step = self.last.get("step", 0)
     rate = self.rate()
     grid = Table.grid(padding=(0, 2))
-    grid.add_row(ProgressBar(total=max(self.total, 1), completed=step, width=40),
-                 f"{step}/{self.total}", f"elapsed {_duration(time.time() - self.t0)}", f"eta {self.eta()}",
-                 "" if rate is None else f"{rate:.2f} {self.unit}/s")
+    grid.add_row(ProgressBar(total=max(self.total, 1), completed=step,
+                             width=40), f"{step}/{self.total}", f"elapsed {_duration(time.time() - self.t0)}",
+                 f"eta {self.eta()}", "" if rate is None else f"{rate:.2f} {self.unit}/s")
     figures = Table.grid(padding=(0, 3))
     pairs = self.figures()
-    for label, _ in pairs:
+    for _ in pairs:
       figures.add_column(justify="right")
     if pairs:
       figures.add_row(*[f"[dim]{label}[/dim]" for label, _ in pairs])

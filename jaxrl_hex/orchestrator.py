@@ -91,8 +91,8 @@ class Orchestrator:
     try:
       t0 = time.time()
       # dynamic sampling may generate again for this batch: it keeps the replica until done
-      rollout, receive_span, t1 = self._generate_scored(
-          records, k, handle, None if self.cfg.algo.dynamic_sampling else free_replica)
+      rollout, receive_span, t1 = self._generate_scored(records, k, handle,
+                                                        None if self.cfg.algo.dynamic_sampling else free_replica)
       stats = {}
       if self.cfg.algo.dynamic_sampling:  # DAPO: draw more prompts until the batch has enough informative groups
         groups = GroupFilter(self.cfg.rollout.prompts_per_step, self.cfg.algo.dynamic_sampling_max_rounds)
@@ -129,8 +129,13 @@ class Orchestrator:
     progress.last["start_step"] = start_step
     t_start = time.time()
     acc_start = self._eval() if start_step < self.total_steps else None
-    first = {"phase": "train", "step": start_step, "policy_version": train.version,
-             "eval_accuracy": acc_start, "wall_s": time.time() - self.recorder.t0}
+    first = {
+        "phase": "train",
+        "step": start_step,
+        "policy_version": train.version,
+        "eval_accuracy": acc_start,
+        "wall_s": time.time() - self.recorder.t0
+    }
     self.recorder.log(first)
     progress.update(start_step, first)
     thread = threading.Thread(target=self._rollout_loop, name="rollout", daemon=True)
@@ -144,8 +149,13 @@ class Orchestrator:
         if (step + 1) % cfg.train.eval_every == 0 or step + 1 == self.total_steps:
           acc = row["eval_accuracy"] = self._eval()
         if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == self.total_steps:
-          train.save({"phase": "train", "policy_version": train.version, "next_batch": item.batch_index + 1,
-                      "data_state": item.data_state, "seed": cfg.seed})
+          train.save({
+              "phase": "train",
+              "policy_version": train.version,
+              "next_batch": item.batch_index + 1,
+              "data_state": item.data_state,
+              "seed": cfg.seed
+          })
         row["wall_s"] = time.time() - self.recorder.t0
         self.recorder.log(row)
         progress.update(step + 1, row)
@@ -154,9 +164,15 @@ class Orchestrator:
       self.buffer.close()
       thread.join()
     seconds = time.time() - t_start
-    summary = {"steps": self.total_steps - start_step, "eval_accuracy_start": acc_start,
-               "eval_accuracy_end": acc, "seconds": seconds, "dropped_stale": self.buffer.dropped,
-               "reward_errors": self.scorer.errors, "rollout_restarts": self.rollout.restarts}
+    summary = {
+        "steps": self.total_steps - start_step,
+        "eval_accuracy_start": acc_start,
+        "eval_accuracy_end": acc,
+        "seconds": seconds,
+        "dropped_stale": self.buffer.dropped,
+        "reward_errors": self.scorer.errors,
+        "rollout_restarts": self.rollout.restarts
+    }
     if acc_start is not None:
       progress.close(f"train: eval accuracy {acc_start:.3f} -> {acc:.3f} over "
                      f"{summary['steps']} RL steps in {seconds:.0f}s")
@@ -178,11 +194,11 @@ class Orchestrator:
     self.recorder.span("train", "sync", t1, t2, version=train.version)
     values, counts = np.unique(staleness, return_counts=True)
     return dict(m, phase="train", step=step + 1, policy_version=train.version, batch=item.batch_index,
-                prompt_ids=sorted({int(g) for g in ro.group_ids}),
-                staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
-                staleness_hist={int(v): int(c) for v, c in zip(values, counts)},
-                wait_seconds=t0 - t_wait, sync_seconds=train.sync_seconds,
-                reward_errors=self.scorer.errors, rollout_restarts=self.rollout.restarts, **item.stats)
+                prompt_ids=sorted({int(g) for g in ro.group_ids}), staleness_mean=float(staleness.mean()),
+                staleness_max=int(staleness.max()), staleness_hist={
+                    int(v): int(c) for v, c in zip(values, counts)
+                }, wait_seconds=t0 - t_wait, sync_seconds=train.sync_seconds, reward_errors=self.scorer.errors,
+                rollout_restarts=self.rollout.restarts, **item.stats)
 
   def _eval(self):
     """Greedy accuracy of the newest published weights, generated on the rollout side."""

@@ -31,7 +31,7 @@ KIND_COLORS = {"generate": "tab:green", "reward": "tab:olive", "step": "tab:blue
 class Run:
   label: str
   workdir: str
-  rows: list    # the RL phase (or the last phase, for an sft-only run), one row per step
+  rows: list  # the RL phase (or the last phase, for an sft-only run), one row per step
   spans: list
   config: dict
   phases: dict  # phase -> its rows, for the summary
@@ -131,8 +131,8 @@ def _staleness_figure(runs, path):
     total = sum(hist.values())
     if total:
       eta = run.config.get("train", {}).get("max_staleness")
-      ax.bar([v + (i - (len(runs) - 1) / 2) * width for v in values], [hist.get(v, 0) / total for v in values],
-             width, color=colors[run.label], label=run.label + ("" if eta is None else f" (η={eta})"))
+      ax.bar([v + (i - (len(runs) - 1) / 2) * width for v in values], [hist.get(v, 0) / total for v in values], width,
+             color=colors[run.label], label=run.label + ("" if eta is None else f" (η={eta})"))
   if values:
     ax.set_xticks(values)
     ax.legend(fontsize=8)
@@ -156,8 +156,7 @@ def _staleness_counts(run) -> dict:
 def _timeline_figure(runs, path):
   """Per run: the whole run (left; the first spans include compilation) and its last ZOOM train steps."""
   plt = _plt()
-  fig, axes = plt.subplots(len(runs), 2, figsize=(14, 2.2 + 1.6 * len(runs)), squeeze=False,
-                           width_ratios=[3, 2])
+  fig, axes = plt.subplots(len(runs), 2, figsize=(14, 2.2 + 1.6 * len(runs)), squeeze=False, width_ratios=[3, 2])
   for (whole, zoom), run in zip(axes, runs):
     t0 = min((s["start"] for s in run.spans), default=0.0)
     steps = sorted(s["start"] for s in run.spans if s["kind"] == "step")
@@ -226,6 +225,7 @@ def _save(fig, path):
 # ---- summary ------------------------------------------------------------------------------------
 def summarize(run: Run) -> dict:
   """The headline numbers of one run (None where the run did not log them)."""
+
   def stat(key, fn):
     values = run.series(key)[2]
     return float(fn(values)) if len(values) else None
@@ -255,7 +255,9 @@ def summarize(run: Run) -> dict:
       "train_tokens_per_s": stat("train_tokens_per_s", np.median),
       "sync_ms": stat("sync_seconds", lambda v: 1e3 * np.median(v)),
       "rl_seconds": float(run.rows[-1]["rl_s"]),
-      "busy": {pool: t / (window[1] - window[0]) for pool, t in sorted(busy.items()) if window[1] > window[0]},
+      "busy": {
+          pool: t / (window[1] - window[0]) for pool, t in sorted(busy.items()) if window[1] > window[0]
+      },
   }
 
 
@@ -264,16 +266,19 @@ def _fmt(value, spec="{:.3f}"):
 
 
 def markdown(runs, summaries, figures, command) -> str:
-  lines = ["# Run report", "", f"`{command}`", "",
-           "| run | RL steps | eval accuracy start → end (best) | reward first → last 10 steps | "
-           "staleness mean / max (η) | rollout tok/s | train tok/s | sync ms | RL seconds | pools busy |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+      "# Run report", "", f"`{command}`", "",
+      "| run | RL steps | eval accuracy start → end (best) | reward first → last 10 steps | "
+      "staleness mean / max (η) | rollout tok/s | train tok/s | sync ms | RL seconds | pools busy |",
+      "|---|---|---|---|---|---|---|---|---|---|"
+  ]
   for run, s in zip(runs, summaries):
     busy = ", ".join(f"{pool} {share:.0%}" for pool, share in s["busy"].items()) or "–"
     lines.append(
         f"| {run.label} | {s['steps']} | {_fmt(s['eval_accuracy_start'])} → {_fmt(s['eval_accuracy_end'])} "
         f"({_fmt(s['eval_accuracy_best'])}) | {_fmt(s['reward_first10'])} → {_fmt(s['reward_last10'])} | "
-        f"{_fmt(s['staleness_mean'], '{:.2f}')} / {_fmt(s['staleness_max'], '{}')} ({_fmt(s['max_staleness'], '{}')}) | "
+        f"{_fmt(s['staleness_mean'], '{:.2f}')} / {_fmt(s['staleness_max'], '{}')} "
+        f"({_fmt(s['max_staleness'], '{}')}) | "
         f"{_fmt(s['rollout_tokens_per_s'], '{:,.0f}')} | {_fmt(s['train_tokens_per_s'], '{:,.0f}')} | "
         f"{_fmt(s['sync_ms'], '{:.1f}')} | {_fmt(s['rl_seconds'], '{:.0f}')} | {busy} |")
   lines.append("")
@@ -281,8 +286,10 @@ def markdown(runs, summaries, figures, command) -> str:
     if s["warm_start_steps"] is not None:
       lines.append(f"- {run.label}: warm start of {s['warm_start_steps']} supervised steps reached "
                    f"eval accuracy {_fmt(s['warm_start_accuracy'])} before RL.")
-  lines += ["", "Tokens/s and sync are medians over the logged steps; *pools busy* is the share of the "
-            "run's span window each pool spent in recorded work.", "", "## Figures", ""]
+  lines += [
+      "", "Tokens/s and sync are medians over the logged steps; *pools busy* is the share of the "
+      "run's span window each pool spent in recorded work.", "", "## Figures", ""
+  ]
   for name in figures:
     title = name[:-len(".png")].replace("_", " ")
     lines += [f"### {title}", "", FIGURES[name], "", f"![{title}]({name})", ""]
@@ -313,13 +320,13 @@ def main(argv) -> int:
                                description="Figures and a markdown summary of one run, or several compared.")
   ap.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="run directories (with metrics.jsonl)")
   ap.add_argument("--out", help="output folder (default: WORKDIR/report for one run, "
-                                "runs/report-<time> for several)")
+                  "runs/report-<time> for several)")
   try:
     args = ap.parse_args(argv)
   except SystemExit as e:  # argparse printed its usage line
     return e.code if isinstance(e.code, int) else 2
-  out = args.out or (os.path.join(args.workdirs[0], "report") if len(args.workdirs) == 1
-                     else os.path.join("runs", f"report-{time.strftime('%Y%m%d-%H%M%S')}"))
+  out = args.out or (os.path.join(args.workdirs[0], "report") if len(args.workdirs) == 1 else os.path.join(
+      "runs", f"report-{time.strftime('%Y%m%d-%H%M%S')}"))
   try:
     result = render(args.workdirs, out, "jaxrl-hex report " + " ".join(argv))
   except UserError as e:

@@ -5,7 +5,7 @@ import typing
 
 from jaxrl_hex import meshes
 from jaxrl_hex.config import ConfigError, resolve_path, validate
-from jaxrl_hex.models import Policy
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.tasks import load_task
 
@@ -49,8 +49,7 @@ def build_runtime(cfg, own_runtime=False) -> Runtime:
   if cfg.get("model_dir"):  # the architecture is the checkpoint's config.json; precision stays the run's
     from jaxrl_hex.models.hf import hf_model_config
     with cfg.unlocked():
-      cfg.model = hf_model_config(resolve_path(cfg.model_dir), dtype=cfg.model.dtype,
-                                  param_dtype=cfg.model.param_dtype)
+      cfg.model = hf_model_config(resolve_path(cfg.model_dir), dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
   task = load_task(cfg.task, cfg)
   if cfg.model.vocab_size == 0:  # "auto": the task tokenizer's size, rounded up so it shards
     with cfg.unlocked():

@@ -32,19 +32,34 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
     records, _ = stream.next()
     m = trainer.step(sft_batch(rt.tokenizer, records))
     step += 1
-    row = {"phase": phase, "step": step, "loss": m["loss"], "token_accuracy": m["token_accuracy"],
-           "train_tokens_per_s": m["train_tokens_per_s"], "wall_s": time.time() - recorder.t0}
+    row = {
+        "phase": phase,
+        "step": step,
+        "loss": m["loss"],
+        "token_accuracy": m["token_accuracy"],
+        "train_tokens_per_s": m["train_tokens_per_s"],
+        "wall_s": time.time() - recorder.t0
+    }
     if step % s.eval_every == 0 or step == s.max_steps:
-      accuracy = row["eval_accuracy"] = evaluate(engine, scorer, eval_records, step, trainer.params,
-                                                 len(eval_records))
+      accuracy = row["eval_accuracy"] = evaluate(engine, scorer, eval_records, step, trainer.params, len(eval_records))
     recorder.log(row)
     progress.update(step, row)
   if checkpointer is not None:
-    checkpointer.save(step, {"params": trainer.params, "opt_state": trainer.opt_state},
-                      {"phase": phase, "step": step, "eval_accuracy": accuracy})
+    checkpointer.save(step, {
+        "params": trainer.params,
+        "opt_state": trainer.opt_state
+    }, {
+        "phase": phase,
+        "step": step,
+        "eval_accuracy": accuracy
+    })
     checkpointer.wait()
-  summary = {"steps": step, "eval_accuracy_start": start_accuracy, "eval_accuracy_end": accuracy,
-             "seconds": time.time() - t0}
+  summary = {
+      "steps": step,
+      "eval_accuracy_start": start_accuracy,
+      "eval_accuracy_end": accuracy,
+      "seconds": time.time() - t0
+  }
   progress.close(f"{phase}: {step} steps, eval accuracy {start_accuracy:.3f} -> {accuracy:.3f} "
                  f"in {summary['seconds']:.0f}s")
   return jax.block_until_ready(trainer.params), summary

@@ -7,10 +7,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault("JAXRL_HEX_QUIET", "1")
 
 import pytest  # noqa: E402
+from support import ROOT, SMALL, load_config  # noqa: E402
 
 from jaxrl_hex import meshes  # noqa: E402
-
-from support import ROOT, SMALL, load_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,12 @@ SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_lay
 # Every feature that changes the math, switched on with a value that shows: windows shorter than
 # the test sequences, Llama 3 scaling whose bands fall inside head_dim, scalars unlike head_dim.
 FEATURES = {
-    "llama": dict(rope_theta=500.0, rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
-                                                      high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "llama": dict(
+        rope_theta=500.0, rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                            original_max_position_embeddings=64)),
     "qwen2": dict(rope_theta=1000.0, tie_word_embeddings=True),
     "qwen3": dict(rope_theta=1000.0),
-    "gemma2": dict(sliding_window=6, query_pre_attn_scalar=12, attn_logit_softcapping=5.0,
-                   final_logit_softcapping=3.0),
+    "gemma2": dict(sliding_window=6, query_pre_attn_scalar=12, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
     "gemma3_text": dict(num_hidden_layers=3, sliding_window=6, sliding_window_pattern=3, query_pre_attn_scalar=12,
                         rope_theta=5000.0, rope_local_base_freq=100.0,
                         rope_scaling=dict(rope_type="linear", factor=2.0)),
@@ -24,8 +24,13 @@ FEATURES = {
 
 def hf_config(family, **overrides):
   import transformers
-  cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-         "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig}[family]
+  cls = {
+      "llama": transformers.LlamaConfig,
+      "qwen2": transformers.Qwen2Config,
+      "qwen3": transformers.Qwen3Config,
+      "gemma2": transformers.Gemma2Config,
+      "gemma3_text": transformers.Gemma3TextConfig
+  }[family]
   return cls(**dict(SHAPE, **FEATURES[family], **overrides))
 
 
@@ -94,12 +99,19 @@ def save_tokenizer(path, texts, vocab_size=300, bos=False):
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.train_from_iterator(
+      texts,
+      trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
   tok.save(os.path.join(path, "tokenizer.json"))
-  config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "pad_token": "<|endoftext|>",
-            "eos_token": "<|im_end|>", "bos_token": "<s>" if bos else None,
-            "chat_template": BOS_CHAT_TEMPLATE if bos else CHAT_TEMPLATE}
+  config = {
+      "tokenizer_class": "PreTrainedTokenizerFast",
+      "model_max_length": 512,
+      "pad_token": "<|endoftext|>",
+      "eos_token": "<|im_end|>",
+      "bos_token": "<s>" if bos else None,
+      "chat_template": BOS_CHAT_TEMPLATE if bos else CHAT_TEMPLATE
+  }
   with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
     json.dump(config, f)
   return tok.get_vocab_size()

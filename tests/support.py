@@ -19,6 +19,10 @@ def load_config(path="configs/arith_grpo.py", **overrides):
 
 
 SMALL = {
-    "rollout.prompts_per_step": 8, "rollout.group_size": 4, "train.eval_size": 64,
-    "train.eval_every": 4, "train.log_every": 1, "sft.eval_size": 64,
+    "rollout.prompts_per_step": 8,
+    "rollout.group_size": 4,
+    "train.eval_size": 64,
+    "train.eval_every": 4,
+    "train.log_every": 1,
+    "sft.eval_size": 64,
 }

@@ -6,8 +6,8 @@ import sys
 import time
 
 import pytest
-
 from support import ROOT, SMALL
+
 from jaxrl_hex import cli
 from jaxrl_hex.metrics import read_jsonl
 
@@ -35,8 +35,9 @@ def test_mesh_that_needs_more_devices(capsys, tmp_path):
 
 
 def test_batch_that_does_not_divide_the_data_axis(capsys, tmp_path):
-  err = _error(capsys, ["train", f"--workdir={tmp_path}", "--config.rollout.prompts_per_step=3",
-                        "--config.rollout.group_size=3"])
+  err = _error(
+      capsys,
+      ["train", f"--workdir={tmp_path}", "--config.rollout.prompts_per_step=3", "--config.rollout.group_size=3"])
   assert "rollout.prompts_per_step x rollout.group_size = 9" in err and "multiple of 2" in err
 
 
@@ -56,10 +57,11 @@ def test_resume_on_an_empty_workdir(capsys, tmp_path):
 def test_user_task_file_plugs_in_through_the_cli(capsys, tmp_path):
   task = os.path.join(ROOT, "tests", "fixtures", "reverse_task.py")
   workdir = tmp_path / "rev"
-  code = cli.main(["train", f"--workdir={workdir}", f"--config.task={task}:make_task", "--config.model.vocab_size=0",
-                   "--config.sft.max_steps=30", "--config.sft.eval_every=10", "--config.train.steps=3",
-                   "--config.train.eval_size=8", "--config.sft.eval_size=8", "--config.rollout.max_new_tokens=4",
-                   *SMALL_FLAGS[:2]])
+  code = cli.main([
+      "train", f"--workdir={workdir}", f"--config.task={task}:make_task", "--config.model.vocab_size=0",
+      "--config.sft.max_steps=30", "--config.sft.eval_every=10", "--config.train.steps=3", "--config.train.eval_size=8",
+      "--config.sft.eval_size=8", "--config.rollout.max_new_tokens=4", *SMALL_FLAGS[:2]
+  ])
   assert code == 0
   rows = read_jsonl(workdir / "metrics.jsonl")
   assert [r["step"] for r in rows if r["phase"] == "train"] == [0, 1, 2, 3]
@@ -68,9 +70,10 @@ def test_user_task_file_plugs_in_through_the_cli(capsys, tmp_path):
 
 def _cli(workdir, *extra):
   env = dict(os.environ, JAXRL_HEX_QUIET="1")
-  return [sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", *SMALL_FLAGS,
-          "--config.train.steps=9", "--config.train.checkpoint_every=3", "--config.train.max_staleness=0",
-          "--config.train.eval_every=100", *extra], env
+  return [
+      sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", *SMALL_FLAGS, "--config.train.steps=9",
+      "--config.train.checkpoint_every=3", "--config.train.max_staleness=0", "--config.train.eval_every=100", *extra
+  ], env
 
 
 def test_kill_and_resume_continues_with_the_same_batches_and_losses(tmp_path, warm_workdir):

@@ -2,10 +2,10 @@ import os
 
 import numpy as np
 import pytest
+from support import ROOT
 
 from jaxrl_hex import meshes
 from jaxrl_hex.meshes import MeshError
-from support import ROOT
 
 
 def _write(tmp_path, text):
@@ -18,7 +18,7 @@ def test_cpu8_pools_have_different_layouts(pools):
   assert pools["train"].axis_sizes == {"fsdp": 2, "tensor": 2}
   assert pools["rollout"].axis_sizes == {"data": 2, "tensor": 2}
   assert {d.id for d in pools["train"].devices}.isdisjoint({d.id for d in pools["rollout"].devices})
-  assert pools["train"].batch_divisor == 2 and pools["rollout"].batch_divisor == 2
+  assert pools["train"].batch_ways == 2 and pools["rollout"].batch_ways == 2
 
 
 def test_rules_table_maps_logical_axes_and_drops_missing_mesh_axes(pools):
@@ -28,8 +28,9 @@ def test_rules_table_maps_logical_axes_and_drops_missing_mesh_axes(pools):
 
 
 def test_a_new_layout_is_a_new_table(tmp_path):
-  path = _write(tmp_path, "num_devices: 8\npools:\n  train:\n    devices: 4\n    mesh: {fsdp: 4}\n"
-                          "    rules: {vocab: fsdp, embed: null}\n  rollout: {devices: 4, mesh: {data: 4}}\n")
+  path = _write(
+      tmp_path, "num_devices: 8\npools:\n  train:\n    devices: 4\n    mesh: {fsdp: 4}\n"
+      "    rules: {vocab: fsdp, embed: null}\n  rollout: {devices: 4, mesh: {data: 4}}\n")
   pool = meshes.build_pools(meshes.load_mesh_file(path))["train"]
   assert tuple(pool.partition_spec(("vocab", "embed"))) == ("fsdp", None)
 
@@ -40,8 +41,10 @@ def test_bad_mesh_files_name_the_field(tmp_path):
   with pytest.raises(MeshError, match="unknown axes"):
     meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: 2, mesh: {model: 2}}\n"))
   with pytest.raises(MeshError, match="share devices"):
-    meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: [0, 1], mesh: {fsdp: 2}}\n"
-                                           "  rollout: {devices: [1, 2], mesh: {data: 2}}\n"))
+    meshes.load_mesh_file(
+        _write(
+            tmp_path, "pools:\n  train: {devices: [0, 1], mesh: {fsdp: 2}}\n"
+            "  rollout: {devices: [1, 2], mesh: {data: 2}}\n"))
   with pytest.raises(MeshError, match="does not exist"):
     meshes.load_mesh_file(str(tmp_path / "missing.yaml"))
 

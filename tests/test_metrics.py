@@ -5,11 +5,11 @@ import os
 import sys
 
 import pytest
+from support import load_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.metrics import TB_DIR, Progress, Recorder, read_jsonl, tb_values
-from support import load_config
 
 
 def _read_tb(workdir):
@@ -17,8 +17,11 @@ def _read_tb(workdir):
   acc = EventAccumulator(os.path.join(workdir, TB_DIR), size_guidance={"scalars": 0, "histograms": 0})
   acc.Reload()
   scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
-  hists = {t: {e.step: (list(e.histogram_value.bucket_limit), list(e.histogram_value.bucket))
-               for e in acc.Histograms(t)} for t in acc.Tags()["histograms"]}
+  hists = {
+      t: {
+          e.step: (list(e.histogram_value.bucket_limit), list(e.histogram_value.bucket)) for e in acc.Histograms(t)
+      } for t in acc.Tags()["histograms"]
+  }
   return scalars, hists
 
 
@@ -46,10 +49,30 @@ def test_tensorboard_holds_every_metric_of_a_real_sft_run(warm_workdir):
 def test_tensorboard_rows_with_staleness_histograms(tmp_path):
   rec = Recorder(str(tmp_path))
   rec.log({"phase": "train", "step": 0, "eval_accuracy": 0.5, "policy_version": 0, "wall_s": 1.0})
-  rec.log({"phase": "train", "step": 1, "reward_mean": 0.25, "staleness_mean": 0.75, "staleness_max": 1,
-           "staleness_hist": {"0": 8, "1": 24}, "policy_version": 1, "wall_s": 2.5})
-  rec.log({"phase": "train", "step": 2, "reward_mean": 0.5, "staleness_hist": {"1": 16, "2": 16},
-           "note": "text is not a metric", "wall_s": 3.0})
+  rec.log({
+      "phase": "train",
+      "step": 1,
+      "reward_mean": 0.25,
+      "staleness_mean": 0.75,
+      "staleness_max": 1,
+      "staleness_hist": {
+          "0": 8,
+          "1": 24
+      },
+      "policy_version": 1,
+      "wall_s": 2.5
+  })
+  rec.log({
+      "phase": "train",
+      "step": 2,
+      "reward_mean": 0.5,
+      "staleness_hist": {
+          "1": 16,
+          "2": 16
+      },
+      "note": "text is not a metric",
+      "wall_s": 3.0
+  })
   rec.close()
   scalars, hists = _read_tb(str(tmp_path))
   assert scalars["train/reward_mean"] == {1: 0.25, 2: 0.5}
@@ -87,14 +110,22 @@ def test_wandb_run_gets_every_metric_offline(tmp_path, monkeypatch):
 
 
 class _Terminal(io.StringIO):
+
   def isatty(self):
     return True
 
 
 def _rows():
   for step in range(1, 21):
-    row = {"step": step, "reward_mean": 0.5 + step / 100, "staleness_mean": 1.5, "staleness_max": 2,
-           "rollout_tokens_per_s": 35123.0, "train_tokens_per_s": 1.25e6, "sync_seconds": 0.0042}
+    row = {
+        "step": step,
+        "reward_mean": 0.5 + step / 100,
+        "staleness_mean": 1.5,
+        "staleness_max": 2,
+        "rollout_tokens_per_s": 35123.0,
+        "train_tokens_per_s": 1.25e6,
+        "sync_seconds": 0.0042
+    }
     if step % 8 == 0:
       row["eval_accuracy"] = step / 40
     yield step, row

@@ -5,7 +5,6 @@ import os
 import nbformat
 import pytest
 from nbclient import NotebookClient
-
 from support import ROOT
 
 COLAB = os.path.join(ROOT, "colab")
@@ -20,10 +19,12 @@ def test_quickstart_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
   # the kernel inherits this environment: a short run, and progress printed as a user would see it
   monkeypatch.setenv("QUICKSTART_RL_STEPS", "4")
   monkeypatch.setenv("QUICKSTART_SFT_MAX_STEPS", "20")
-  monkeypatch.setenv("QUICKSTART_FLAGS", " ".join([
-      "--config.rollout.prompts_per_step=8", "--config.rollout.group_size=4", "--config.train.eval_size=32",
-      "--config.sft.eval_size=32", "--config.sft.eval_every=10", "--config.train.eval_every=2",
-      "--config.train.log_every=1"]))
+  monkeypatch.setenv(
+      "QUICKSTART_FLAGS", " ".join([
+          "--config.rollout.prompts_per_step=8", "--config.rollout.group_size=4", "--config.train.eval_size=32",
+          "--config.sft.eval_size=32", "--config.sft.eval_every=10", "--config.train.eval_every=2",
+          "--config.train.log_every=1"
+      ]))
   monkeypatch.setenv("QUICKSTART_WORKDIR", str(tmp_path / "runs" / "quickstart"))
   monkeypatch.delenv("JAXRL_HEX_QUIET", raising=False)
   nb = nbformat.read(os.path.join(COLAB, "quickstart.ipynb"), as_version=4)

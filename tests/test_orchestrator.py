@@ -2,13 +2,15 @@ import json
 import os
 
 import pytest
-
 from support import SMALL, load_config
+
 from jaxrl_hex import commands
 from jaxrl_hex.metrics import read_jsonl
 
-REQUIRED = {"step", "policy_version", "reward_mean", "staleness_mean", "staleness_max", "loss", "kl",
-            "clip_fraction", "entropy", "rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds", "wall_s"}
+REQUIRED = {
+    "step", "policy_version", "reward_mean", "staleness_mean", "staleness_max", "loss", "kl", "clip_fraction",
+    "entropy", "rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds", "wall_s"
+}
 
 
 def _run(tmp_path, warm_workdir, **overrides):

@@ -5,11 +5,11 @@ import os
 import numpy as np
 import pytest
 from matplotlib.image import imread
+from support import SMALL, load_config
+from test_metrics import _assert_tb_holds_every_metric
 
 from jaxrl_hex import cli, commands
 from jaxrl_hex.report import FIGURES
-from support import SMALL, load_config
-from test_metrics import _assert_tb_holds_every_metric
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,8 @@ def test_report_of_a_short_run(short_run, capsys):
   train = [r for r in rows if r["phase"] == "train"]
   assert summary["steps"] == 6 and summary["staleness_max"] == max(r["staleness_max"] for r in train[1:])
   assert summary["eval_accuracy_end"] == train[-1]["eval_accuracy"]
-  assert summary["staleness_mean"] == pytest.approx(
-      np.mean([r["staleness_mean"] for r in train[1:]]))  # every step trains the same number of samples
+  assert summary["staleness_mean"] == pytest.approx(np.mean([r["staleness_mean"] for r in train[1:]
+                                                            ]))  # every step trains the same number of samples
   assert set(summary["busy"]) == {"rollout", "train"} and all(0 < v <= 1 for v in summary["busy"].values())
 
 

@@ -2,11 +2,10 @@
 
 Vocabulary padded to 152064 rows as in the released checkpoint.
 """
-from jaxrl_hex.models.config import model_config, param_count, kv_bytes_per_token  # noqa: F401
+from jaxrl_hex.models.config import kv_bytes_per_token, model_config, param_count  # noqa: F401
 
 
 def get_config():
-  return model_config(vocab_size=152064, d_model=5120, n_layers=48, n_heads=40, n_kv_heads=8,
-                      head_dim=128, mlp_dim=13824, tie_embeddings=False, qkv_bias=True,
-                      rope_theta=1000000.0, norm_eps=1e-5, dtype="bfloat16",
-                      param_dtype="bfloat16", max_seq_len=32768)
+  return model_config(vocab_size=152064, d_model=5120, n_layers=48, n_heads=40, n_kv_heads=8, head_dim=128,
+                      mlp_dim=13824, tie_embeddings=False, qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-5,
+                      dtype="bfloat16", param_dtype="bfloat16", max_seq_len=32768)

@@ -43,8 +43,7 @@ def tpu_commands(name, zone, accelerator_type, project, command, repo_dir) -> li
 
 
 def ray_command(address, command, working_dir) -> list[str]:
-  return ["ray", "job", "submit", f"--address={address}", f"--working-dir={working_dir}", "--",
-          "jaxrl-hex", *command]
+  return ["ray", "job", "submit", f"--address={address}", f"--working-dir={working_dir}", "--", "jaxrl-hex", *command]
 
 
 def main(argv) -> int:

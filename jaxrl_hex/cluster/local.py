@@ -84,8 +84,8 @@ class LocalRolloutSide:
     self._offered = None  # newest published weights, picked up by the engine mid-batch
     pool = rt.pool("rollout")
     options = engine_options(r)
-    self.engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
-                         **options, weights_source=self._fresh_weights)
+    self.engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **options,
+                         weights_source=self._fresh_weights)
     self.eval_engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, **options)
 
   def offer(self, handle):

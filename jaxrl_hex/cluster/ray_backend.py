@@ -48,8 +48,9 @@ def check_cluster(mesh_file):
       raise UserError(f"{mesh_file.path}: pools.{role} spans {spec.hosts} hosts but the Ray cluster has "
                       f"{len(nodes)} node(s); lower hosts or add nodes")
   for kind, key in (("gpu", "GPU"), ("tpu", "TPU")):
-    want = sum(len(s.device_ids) * s.replicas for s in mesh_file.pools.values()
-               if (s.device_type or mesh_file.platform).lower().startswith(kind) or mesh_file.platform == kind)
+    want = sum(
+        len(s.device_ids) * s.replicas for s in mesh_file.pools.values()
+        if (s.device_type or mesh_file.platform).lower().startswith(kind) or mesh_file.platform == kind)
     if want and resources.get(key, 0) < want:
       raise UserError(f"{mesh_file.path}: the pools need {want} {key}s but the Ray cluster has "
                       f"{int(resources.get(key, 0))}; shrink the pools or add {key} nodes")
@@ -73,6 +74,7 @@ class RayTrainSide:
 
   def __init__(self, rt, workdir, resume):
     import ray
+
     from jaxrl_hex.cluster.workers import TrainWorker
     spec = rt.mesh_file.pools["train"]
     cfg_json = rt.cfg.to_json_best_effort()
@@ -159,6 +161,7 @@ class RayRolloutSide:
 
   def __init__(self, rt, workdir):
     import ray
+
     from jaxrl_hex.cluster.workers import RolloutWorker
     self._ray = ray
     self.spec = rt.mesh_file.pools["rollout"]

@@ -21,14 +21,17 @@ def _start_jax(platform, local_devices, affinity, coordinator=None, num_processe
     if num_processes > 1:
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if num_processes > 1:
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
 
 
 def _describe(process_index=0):
   import jax
-  return {"pid": os.getpid(), "host": socket.gethostname(), "process_index": process_index,
-          "local_devices": [d.id for d in jax.local_devices()]}
+  return {
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "process_index": process_index,
+      "local_devices": [d.id for d in jax.local_devices()]
+  }
 
 
 class _NullRecorder:
@@ -64,8 +67,8 @@ class TrainWorker:
     from jaxrl_hex.runtime import load_mesh
     mesh_file = load_mesh(cfg)
     spec = mesh_file.pools["train"]
-    _start_jax(mesh_file.platform, len(spec.device_ids) // spec.processes, spec.affinity,
-               coordinator, self.num_processes, self.process_id)
+    _start_jax(mesh_file.platform,
+               len(spec.device_ids) // spec.processes, spec.affinity, coordinator, self.num_processes, self.process_id)
     rt = build_runtime(cfg, own_runtime=True)
     recorder = Recorder(self.workdir, append=True) if self.process_id == 0 else _NullRecorder()
     self.sync = make_sync(cfg.sync.method, rt.policy.shapes(), None, sync_directory(cfg, self.workdir))

@@ -17,26 +17,28 @@ DEFAULTS = dict(
     rope_theta=10000.0,
     norm_eps=1e-6,
     qkv_bias=False,
-    dtype="float32",        # activations / compute
+    dtype="float32",  # activations / compute
     param_dtype="float32",  # stored weights
     max_seq_len=4096,
-    qk_norm=False,              # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
-    norm_style="rms",           # "rms": x * w (Llama, Qwen); "gemma": x * (1 + w), w stored as HF stores it
-    post_norms=False,           # Gemma 2/3: norms on the attention and MLP outputs before each residual add
-    mlp_activation="silu",      # gate activation: "silu" | "gelu_tanh" | "gelu"
-    embed_scale=1.0,            # embeddings times this, rounded to param_dtype (Gemma: sqrt(d_model))
+    qk_norm=False,  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    norm_style="rms",  # "rms": x * w (Llama, Qwen); "gemma": x * (1 + w), w stored as HF stores it
+    post_norms=False,  # Gemma 2/3: norms on the attention and MLP outputs before each residual add
+    mlp_activation="silu",  # gate activation: "silu" | "gelu_tanh" | "gelu"
+    embed_scale=1.0,  # embeddings times this, rounded to param_dtype (Gemma: sqrt(d_model))
     query_pre_attn_scalar=0.0,  # attention scores times its ** -0.5; 0 = head_dim
-    attn_logit_softcap=0.0,     # cap * tanh(score / cap) on attention scores; 0 = off (Gemma 2)
-    final_logit_softcap=0.0,    # the same on the output logits; 0 = off (Gemma 2)
-    sliding_window=0,           # "sliding" layers see keys fewer than this many positions back; 0 = none
-    layer_types=(),             # per layer "full" | "sliding"; () = every layer sliding if sliding_window else full
-    rope_scaling=None,          # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF config.json
-    rope_local_theta=0.0,       # Gemma 3: RoPE base of sliding layers, which skip rope_scaling; 0 = as full layers
+    attn_logit_softcap=0.0,  # cap * tanh(score / cap) on attention scores; 0 = off (Gemma 2)
+    final_logit_softcap=0.0,  # the same on the output logits; 0 = off (Gemma 2)
+    sliding_window=0,  # "sliding" layers see keys fewer than this many positions back; 0 = none
+    layer_types=(),  # per layer "full" | "sliding"; () = every layer sliding if sliding_window else full
+    rope_scaling=None,  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF config.json
+    rope_local_theta=0.0,  # Gemma 3: RoPE base of sliding layers, which skip rope_scaling; 0 = as full layers
 )
 CHOICES = {"norm_style": ("rms", "gemma"), "mlp_activation": ("silu", "gelu_tanh", "gelu")}
 LAYER_TYPES = ("full", "sliding")
-ROPE_SCALING_KEYS = {"linear": ("factor",),
-                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+}
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:

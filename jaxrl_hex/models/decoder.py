@@ -27,8 +27,11 @@ from jaxrl_hex.models.config import is_sliding
 
 Cache = list  # per layer: (k, v), each [batch, cache_len, kv_heads, head_dim]
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False)
+}
 
 
 def _param(rngs, shape, axes, dtype, scale):
@@ -57,7 +60,7 @@ class RMSNorm(nnx.Module):
 def rope_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
   """Inverse frequencies [head_dim // 2] in fp32, as transformers computes them for rope_type
   default, linear and llama3."""
-  inv = (1.0 / (theta ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim))).astype(np.float32)
+  inv = (1.0 / (theta**(np.arange(0, head_dim, 2).astype(np.float32) / head_dim))).astype(np.float32)
   if scaling is None:
     return inv
   factor = np.float32(scaling["factor"])
@@ -114,10 +117,10 @@ class Attention(nnx.Module):
   def __init__(self, cfg, rngs, sliding=False):
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
-    self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pdt, d ** -0.5)
-    self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt, d ** -0.5)
-    self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt, d ** -0.5)
-    self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pdt, (h * hd) ** -0.5)
+    self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pdt, d**-0.5)
+    self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt, d**-0.5)
+    self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt, d**-0.5)
+    self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pdt, (h * hd)**-0.5)
     if cfg.qkv_bias:
       self.bq = nnx.Param(jnp.zeros((h, hd), pdt), axes=("heads", "head_dim"))
       self.bk = nnx.Param(jnp.zeros((kv, hd), pdt), axes=("kv_heads", "head_dim"))
@@ -127,7 +130,7 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(hd, cfg.norm_eps, pdt, cfg.norm_style, axes=("head_dim",))
     self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
     self.rope_args = rope_settings(cfg, sliding)
-    self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
+    self.scale = (cfg.query_pre_attn_scalar or hd)**-0.5
     self.logit_cap = cfg.attn_logit_softcap
     self.dtype = jnp.dtype(cfg.dtype)
 
@@ -166,9 +169,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg, rngs):
     d, f, pdt = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
-    self.gate = _param(rngs, (d, f), ("embed", "mlp"), pdt, d ** -0.5)
-    self.up = _param(rngs, (d, f), ("embed", "mlp"), pdt, d ** -0.5)
-    self.down = _param(rngs, (f, d), ("mlp", "embed"), pdt, f ** -0.5)
+    self.gate = _param(rngs, (d, f), ("embed", "mlp"), pdt, d**-0.5)
+    self.up = _param(rngs, (d, f), ("embed", "mlp"), pdt, d**-0.5)
+    self.down = _param(rngs, (f, d), ("mlp", "embed"), pdt, f**-0.5)
     self.activation = cfg.mlp_activation
     self.dtype = jnp.dtype(cfg.dtype)
 
@@ -206,12 +209,11 @@ class Decoder(nnx.Module):
     cfg = ml_collections.FrozenConfigDict(cfg)  # hashable, so the module's graphdef can key a jit cache
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt, cfg.d_model ** -0.5)
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt, cfg.d_model**-0.5)
     self.layers = nnx.List([Block(cfg, rngs, is_sliding(cfg, i)) for i in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, cfg.norm_style)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt,
-                            cfg.d_model ** -0.5)
+      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt, cfg.d_model**-0.5)
 
   def __call__(self, tokens, positions, mask, cache: Cache | None = None, cache_index=0, key_positions=None,
                rope_tables=None):
@@ -230,8 +232,7 @@ class Decoder(nnx.Module):
       tables = {args: (cos[0, positions], sin[0, positions]) for args, (cos, sin) in rope_tables.items()}
     new_cache = []
     for i, layer in enumerate(self.layers):
-      x, c = layer(x, tables, local_mask if layer.sliding else mask,
-                   None if cache is None else cache[i], cache_index)
+      x, c = layer(x, tables, local_mask if layer.sliding else mask, None if cache is None else cache[i], cache_index)
       new_cache.append(c)
     x = self.final_norm(x)
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
@@ -275,8 +276,10 @@ def init_cache(cfg, batch, length, dtype=None):
 
 def extend_cache(cache, rows, extra: int):
   """The cache's rows[i] as row i, with `extra` empty positions after the cached ones."""
+
   def grow(x, axis):
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, extra)
     return jnp.pad(x[rows], pad)
+
   return [tuple(grow(x, axis) for x, axis in zip(layer, CACHE_LENGTH_AXES)) for layer in cache]

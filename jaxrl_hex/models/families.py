@@ -22,29 +22,36 @@ class Family:
   model_type: str
   architecture: str
   label: str
-  head_dim: int = 0           # transformers' default when config.json has none; 0 = hidden_size // heads
-  gemma: bool = False         # (1 + w) norms, post norms, sqrt(d) embeddings, tanh GELU, query_pre_attn_scalar
+  head_dim: int = 0  # transformers' default when config.json has none; 0 = hidden_size // heads
+  gemma: bool = False  # (1 + w) norms, post norms, sqrt(d) embeddings, tanh GELU, query_pre_attn_scalar
   qkv_bias: bool = False
   qk_norm: bool = False
   tie: bool = False
-  window_every: int = 0       # default layer pattern: every n-th layer full, the others sliding
+  window_every: int = 0  # default layer pattern: every n-th layer full, the others sliding
   softcaps: tuple = (None, None)  # default (attention, final) soft caps
   theta: float = 10000.0
-  local_theta: float = 0.0    # RoPE base of sliding layers (Gemma 3)
+  local_theta: float = 0.0  # RoPE base of sliding layers (Gemma 3)
 
 
-FAMILIES = {f.model_type: f for f in (
-    Family("llama", "LlamaForCausalLM", "Llama 3.x"),
-    Family("qwen2", "Qwen2ForCausalLM", "Qwen2/2.5", qkv_bias=True),
-    Family("qwen3", "Qwen3ForCausalLM", "Qwen3", head_dim=128, qk_norm=True),
-    Family("gemma2", "Gemma2ForCausalLM", "Gemma 2", head_dim=256, gemma=True, tie=True, window_every=2,
-           softcaps=(50.0, 30.0)),
-    Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3 text", head_dim=256, gemma=True, qk_norm=True, tie=True,
-           window_every=6, theta=1_000_000.0, local_theta=10000.0),
-)}
+FAMILIES = {
+    f.model_type: f for f in (
+        Family("llama", "LlamaForCausalLM", "Llama 3.x"),
+        Family("qwen2", "Qwen2ForCausalLM", "Qwen2/2.5", qkv_bias=True),
+        Family("qwen3", "Qwen3ForCausalLM", "Qwen3", head_dim=128, qk_norm=True),
+        Family("gemma2", "Gemma2ForCausalLM", "Gemma 2", head_dim=256, gemma=True, tie=True, window_every=2, softcaps=(
+            50.0, 30.0)),
+        Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3 text", head_dim=256, gemma=True, qk_norm=True, tie=True,
+               window_every=6, theta=1_000_000.0, local_theta=10000.0),
+    )
+}
 SUPPORTED = ", ".join(f"{f.model_type} ({f.label})" for f in FAMILIES.values())
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-               "gelu": "gelu"}
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu"
+}
 HF_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 # Fields of ours that only set precision; everything else must survive a trip through config.json.
@@ -84,26 +91,29 @@ def config_from_hf(hf: dict, where: str = "config.json", **overrides):
   if act not in ACTIVATIONS:
     raise HFModelError(f"{where}: {act_key}={act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
 
-  missing = [k for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
-                         "intermediate_size") if not isinstance(hf.get(k), int)]
+  missing = [
+      k for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+      if not isinstance(hf.get(k), int)
+  ]
   if missing:
     raise HFModelError(f"{where}: needs integer {missing}; the file is incomplete")
   d, heads = hf["hidden_size"], hf["num_attention_heads"]
   n_layers = hf["num_hidden_layers"]
   window, layer_types = _attention_layout(hf, family, n_layers, where)
   theta, scaling, local_theta = _rope(hf, family, where)
-  caps = [hf.get(k, default) for k, default in zip(("attn_logit_softcapping", "final_logit_softcapping"),
-                                                    family.softcaps)]
+  caps = [
+      hf.get(k, default) for k, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), family.softcaps)
+  ]
   head_dim = hf.get("head_dim") or family.head_dim or d // heads
-  fields = dict(
-      vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers, n_heads=heads,
-      n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-      mlp_dim=hf["intermediate_size"], tie_embeddings=hf.get("tie_word_embeddings", family.tie),
-      rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
-      norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
-      max_seq_len=hf.get("max_position_embeddings", DEFAULTS["max_seq_len"]),
-      mlp_activation=ACTIVATIONS[act], sliding_window=window, layer_types=layer_types,
-      attn_logit_softcap=float(caps[0] or 0.0), final_logit_softcap=float(caps[1] or 0.0))
+  fields = dict(vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers, n_heads=heads,
+                n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, mlp_dim=hf["intermediate_size"],
+                tie_embeddings=hf.get("tie_word_embeddings", family.tie), rope_theta=theta, rope_scaling=scaling,
+                rope_local_theta=local_theta, norm_eps=hf.get("rms_norm_eps",
+                                                              1e-6), qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+                max_seq_len=hf.get("max_position_embeddings",
+                                   DEFAULTS["max_seq_len"]), mlp_activation=ACTIVATIONS[act], sliding_window=window,
+                layer_types=layer_types, attn_logit_softcap=float(caps[0] or 0.0), final_logit_softcap=float(caps[1] or
+                                                                                                             0.0))
   if family.gemma:
     fields.update(norm_style="gemma", post_norms=True, embed_scale=math.sqrt(d),
                   query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)))
@@ -146,13 +156,18 @@ def _rope(hf, family, where):
   if params is None:  # transformers 4.x files
     params = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", family.theta))
     if family.local_theta:
-      params = {"full_attention": params,
-                "sliding_attention": {"rope_theta": hf.get("rope_local_base_freq", family.local_theta)}}
+      params = {
+          "full_attention": params,
+          "sliding_attention": {
+              "rope_theta": hf.get("rope_local_base_freq", family.local_theta)
+          }
+      }
   if family.local_theta:
     full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
     _check_rope(local, "rope_parameters.sliding_attention", where, allow_scaling=False)
-    return (full.get("rope_theta", family.theta), _check_rope(full, "rope_parameters.full_attention", where),
-            float(local.get("rope_theta", family.local_theta)))
+    return (full.get("rope_theta", family.theta), _check_rope(full, "rope_parameters.full_attention",
+                                                              where), float(local.get("rope_theta",
+                                                                                      family.local_theta)))
   return params.get("rope_theta", family.theta), _check_rope(params, "rope_parameters", where), 0.0
 
 
@@ -192,20 +207,25 @@ def hf_config(cfg, base: dict | None = None, dtype: str | None = None) -> dict:
   scaling = dict(cfg.rope_scaling) if cfg.rope_scaling is not None else {"rope_type": "default"}
   rope = dict(scaling, rope_theta=cfg.rope_theta)
   if family.local_theta:
-    rope = {"full_attention": rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}
-  out.update(
-      architectures=[family.architecture], model_type=family.model_type, vocab_size=cfg.vocab_size,
-      hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.n_layers,
-      num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-      max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-      rope_parameters=rope, dtype=dtype or cfg.param_dtype)
+    rope = {
+        "full_attention": rope,
+        "sliding_attention": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_local_theta or cfg.rope_theta
+        }
+    }
+  out.update(architectures=[family.architecture], model_type=family.model_type, vocab_size=cfg.vocab_size,
+             hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.n_layers,
+             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+             max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+             rope_parameters=rope, dtype=dtype or cfg.param_dtype)
   out["hidden_activation" if family.gemma else "hidden_act"] = HF_ACTIVATION[cfg.mlp_activation]
   if family.gemma:
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-    out.update(query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar, sliding_window=cfg.sliding_window or None,
-               layer_types=layer_types, attn_logit_softcapping=cfg.attn_logit_softcap or None,
-               final_logit_softcapping=cfg.final_logit_softcap or None)
+    out.update(query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
+               sliding_window=cfg.sliding_window or None, layer_types=layer_types,
+               attn_logit_softcapping=cfg.attn_logit_softcap or None, final_logit_softcapping=cfg.final_logit_softcap or
+               None)
   elif family.model_type in ("qwen2", "qwen3"):
     out.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,
                layer_types=layer_types)

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_hex.models import Policy, causal_mask, init_cache
+from jaxrl_hex.models.decoder import causal_mask, init_cache
+
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.families import HFModelError, config_from_hf, family_of, hf_config, read_config
 from jaxrl_hex.models.safetensors_files import SafetensorsDir, write_safetensors
 
@@ -32,7 +34,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class TensorMap:
   """One checkpoint tensor as one of our params: ours = (hf.T if transpose else hf).reshape(shape).
 
   groups lists, for each dim of the (transposed) HF tensor, the dims of ours merged into it:
@@ -69,27 +71,37 @@ class Layout:
 def tensor_layouts(cfg) -> list:
   """Every param of models.decoder.Decoder(cfg) with its Hugging Face tensor."""
   d, h, kv, hd, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-  out = [Layout("model.embed_tokens.weight", ("embed",), (v, d), ((0,), (1,)))]
+  out = [TensorMap("model.embed_tokens.weight", ("embed",), (v, d), ((0,), (1,)))]
   # Gemma's post_attention_layernorm follows attention; in Llama/Qwen it is the MLP's input norm
-  norms = ({"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
-            "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"}
-           if cfg.post_norms else {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"})
+  norms = ({
+      "input_layernorm": "attn_norm",
+      "post_attention_layernorm": "post_attn_norm",
+      "pre_feedforward_layernorm": "mlp_norm",
+      "post_feedforward_layernorm": "post_mlp_norm"
+  } if cfg.post_norms else {
+      "input_layernorm": "attn_norm",
+      "post_attention_layernorm": "mlp_norm"
+  })
   for i in range(cfg.n_layers):
     p, at = f"model.layers.{i}.", ("layers", i)
     for proj, heads in (("q", h), ("k", kv), ("v", kv)):
-      out.append(Layout(f"{p}self_attn.{proj}_proj.weight", at + ("attn", "w" + proj), (d, heads, hd),
-                        ((0,), (1, 2)), True))
+      out.append(
+          TensorMap(f"{p}self_attn.{proj}_proj.weight", at + ("attn", "w" + proj), (d, heads, hd), ((0,), (1, 2)), True))
       if cfg.qkv_bias:
-        out.append(Layout(f"{p}self_attn.{proj}_proj.bias", at + ("attn", "b" + proj), (heads, hd), ((0, 1),)))
-    out.append(Layout(f"{p}self_attn.o_proj.weight", at + ("attn", "wo"), (h, hd, d), ((0, 1), (2,)), True))
+        out.append(TensorMap(f"{p}self_attn.{proj}_proj.bias", at + ("attn", "b" + proj), (heads, hd), ((0, 1),)))
+    out.append(TensorMap(f"{p}self_attn.o_proj.weight", at + ("attn", "wo"), (h, hd, d), ((0, 1), (2,)), True))
     if cfg.qk_norm:
-      out += [Layout(f"{p}self_attn.{n}.weight", at + ("attn", n, "scale"), (hd,), ((0,),)) for n in ("q_norm", "k_norm")]
-    out += [Layout(f"{p}{hf}.weight", at + (ours, "scale"), (d,), ((0,),)) for hf, ours in norms.items()]
-    out += [Layout(f"{p}mlp.{n}_proj.weight", at + ("mlp", n), (d, f) if n != "down" else (f, d), ((0,), (1,)), True)
-            for n in ("gate", "up", "down")]
-  out.append(Layout("model.norm.weight", ("final_norm", "scale"), (d,), ((0,),)))
+      out += [
+          TensorMap(f"{p}self_attn.{n}.weight", at + ("attn", n, "scale"), (hd,), ((0,),)) for n in ("q_norm", "k_norm")
+      ]
+    out += [TensorMap(f"{p}{hf}.weight", at + (ours, "scale"), (d,), ((0,),)) for hf, ours in norms.items()]
+    out += [
+        TensorMap(f"{p}mlp.{n}_proj.weight", at + ("mlp", n), (d, f) if n != "down" else (f, d), ((0,), (1,)), True)
+        for n in ("gate", "up", "down")
+    ]
+  out.append(TensorMap("model.norm.weight", ("final_norm", "scale"), (d,), ((0,),)))
   if not cfg.tie_embeddings:
-    out.append(Layout("lm_head.weight", ("lm_head",), (d, v), ((0,), (1,)), True))
+    out.append(TensorMap("lm_head.weight", ("lm_head",), (d, v), ((0,), (1,)), True))
   return out
 
 
@@ -118,16 +130,19 @@ def load_params(model_dir: str, cfg, shardings) -> dict:
     if entry.shape != lay.hf_shape:
       raise HFModelError(f"{entry.path}: tensor '{lay.hf_name}' has shape {list(entry.shape)} but config.json "
                          f"implies {list(lay.hf_shape)}")
-  unused = sorted(set(ckpt.entries) - {lay.hf_name for lay in layouts} - {"lm_head.weight"}
-                  - {n for n in ckpt.entries if n.endswith("rotary_emb.inv_freq")})
+  unused = sorted(
+      set(ckpt.entries) - {lay.hf_name for lay in layouts} - {"lm_head.weight"} -
+      {n for n in ckpt.entries if n.endswith("rotary_emb.inv_freq")})
   if unused:
     raise HFModelError(f"{ckpt.entries[unused[0]].path}: tensor '{unused[0]}' (and {len(unused) - 1} more) is not "
                        f"part of a {family} model with this config.json")
   dtype = jnp.dtype(cfg.param_dtype)
   params = {}
   for lay in layouts:
-    _set(params, lay.path, jax.make_array_from_callback(
-        lay.shape, _get(shardings, lay.path), lambda index, lay=lay: lay.read(ckpt, index).astype(dtype, copy=False)))
+    _set(
+        params, lay.path,
+        jax.make_array_from_callback(lay.shape, _get(shardings, lay.path),
+                                     lambda index, lay=lay: lay.read(ckpt, index).astype(dtype, copy=False)))
   ckpt.close()
   return params
 

@@ -16,9 +16,20 @@ import numpy as np
 
 from jaxrl_hex.models.families import HFModelError
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
-          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_
+}
 DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -26,10 +37,10 @@ SINGLE = "model.safetensors"
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  path: str      # the file holding the tensor
+  path: str  # the file holding the tensor
   dtype: np.dtype
   shape: tuple
-  start: int     # absolute byte offsets in the file
+  start: int  # absolute byte offsets in the file
   end: int
 
 
@@ -122,14 +133,18 @@ def write_safetensors(out_dir: str, tensors: list, max_shard_bytes: int = 4 << 3
     shards[-1].append(t)
     size += nbytes
   names = [SINGLE] if len(shards) == 1 else [
-      f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+      f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+  ]
   weight_map, total = {}, 0
   for file, shard in zip(names, shards):
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype, _ in shard:
       nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-      header[name] = {"dtype": DTYPE_NAMES[np.dtype(dtype)], "shape": list(shape),
-                      "data_offsets": [offset, offset + nbytes]}
+      header[name] = {
+          "dtype": DTYPE_NAMES[np.dtype(dtype)],
+          "shape": list(shape),
+          "data_offsets": [offset, offset + nbytes]
+      }
       offset += nbytes
       weight_map[name] = file
     raw = json.dumps(header, separators=(",", ":")).encode()

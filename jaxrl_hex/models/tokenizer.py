@@ -60,8 +60,10 @@ class HFTokenizer:
       if os.path.isfile(os.path.join(self.dir, name)):
         with open(os.path.join(self.dir, name)) as f:
           config.update(json.load(f))
-    self.special = {k: (v["content"] if isinstance(v, dict) else v) for k, v in config.items()
-                    if k.endswith("_token") and v is not None}
+    self.special = {
+        k: (v["content"] if isinstance(v, dict) else v) for k, v in config.items()
+        if k.endswith("_token") and v is not None
+    }
     eos = eos_token or self.special.get("eos_token")
     if eos is None:
       raise UserError(f"tokenizer: {self.dir}/tokenizer_config.json names no eos_token; pass the token that "
@@ -95,8 +97,7 @@ class HFTokenizer:
     if self.chat_template is None:
       raise UserError(f"tokenizer: {self.dir} has no chat template (tokenizer_config.json chat_template "
                       "or chat_template.jinja)")
-    return self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special)
+    return self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
   def prompt(self, text: str, system: str | None = None) -> str:
     """A task prompt as the model expects it: a user turn of the chat template when there is one,
@@ -131,6 +132,5 @@ def _chat_template(template, jinja_file):
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
   env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
       x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-  env.globals.update(raise_exception=raise_exception,
-                     strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
   return env.from_string(template)

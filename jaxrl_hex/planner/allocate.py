@@ -21,15 +21,14 @@ import numpy as np
 import yaml
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from jaxrl_hex.planner import PlanError
-from jaxrl_hex.planner import cost_model as cm
+from jaxrl_hex.planner import PlanError, cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
 
 OBJECTIVES = ("throughput", "cost")
-BISECT_TOL = 1e-4      # relative width at which the makespan bisection stops
-PRICE_STEP = 1e-6      # $/h: "strictly cheaper" when walking the cost/makespan frontier
+BISECT_TOL = 1e-4  # relative width at which the makespan bisection stops
+PRICE_STEP = 1e-6  # $/h: "strictly cheaper" when walking the cost/makespan frontier
 DEVICE_TIEBREAK = 1e-7  # $/h per chip: among equal prices, prefer fewer chips
-REL_EQ = 1e-9          # objectives closer than this are ties
+REL_EQ = 1e-9  # objectives closer than this are ties
 # Frontier levels the cost search walks per training split: the cheapest plans sit near the
 # balanced point (the outer search also shrinks the trainer), so a few levels suffice; it is
 # exact on the small clusters the tests compare with exhaustive search.
@@ -38,8 +37,8 @@ COST_LEVELS = 4
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-  counts: dict       # {device type: chips available}, in file order
-  catalog: dict      # {device type: catalog.Device}
+  counts: dict  # {device type: chips available}, in file order
+  catalog: dict  # {device type: catalog.Device}
   workload: cm.Workload
 
 
@@ -75,13 +74,14 @@ def load_cluster(path, catalog_extra=None) -> Cluster:
 
 # ---------------------------------------------------------------- candidates
 
+
 @dataclasses.dataclass(frozen=True)
 class TrainChoice:
   device_type: str
   layout: cm.TrainLayout
-  time: cm.TimeParts     # one step over the workload's tokens
-  fixed_s: float         # the part of a step that does not scale with tokens (for the simulator)
-  send_s: float          # pushing new weights out to the rollout side
+  time: cm.TimeParts  # one step over the workload's tokens
+  fixed_s: float  # the part of a step that does not scale with tokens (for the simulator)
+  send_s: float  # pushing new weights out to the rollout side
   price_per_hour: float
 
   @property
@@ -93,7 +93,7 @@ class TrainChoice:
 class Option:
   """A replica configuration psi for a given training pool (its receive pause depends on it)."""
   replica: cm.Replica
-  coeffs: tuple      # (a, b, c): seconds to generate n sequences = max(a + b*n, c*n)
+  coeffs: tuple  # (a, b, c): seconds to generate n sequences = max(a + b*n, c*n)
   recv_s: float
   price_per_hour: float
 
@@ -106,8 +106,8 @@ class Option:
 @dataclasses.dataclass(frozen=True)
 class Group:
   option: Option
-  count: int        # y_psi
-  assigned: int     # x_psi: sequences of one step
+  count: int  # y_psi
+  assigned: int  # x_psi: sequences of one step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +115,13 @@ class Plan:
   objective: str
   workload: cm.Workload
   train: TrainChoice
-  groups: tuple            # of Group, count > 0
-  rollout_s: float         # makespan of one step's sequences, receive pause included
+  groups: tuple  # of Group, count > 0
+  rollout_s: float  # makespan of one step's sequences, receive pause included
   step_s: float
   gen_tokens_per_s: float
   price_per_hour: float
   train_flop_share: float
-  idle: dict               # {device type: chips left unused}
+  idle: dict  # {device type: chips left unused}
 
   @property
   def usd_per_mtok(self) -> float:
@@ -144,8 +144,9 @@ class Problem:
     self.devs = {k: cluster.catalog[k] for k in cluster.counts}
     self.total_flops = sum(self.devs[k].flops * n for k, n in cluster.counts.items())
     self.seq_len = self.w.prompt_len + self.w.output_max
-    self.replicas = {k: [r for t in cm.tensor_degrees(d) if (r := cm.replica(self.m, d, t, self.w))]
-                     for k, d in self.devs.items()}
+    self.replicas = {
+        k: [r for t in cm.tensor_degrees(d) if (r := cm.replica(self.m, d, t, self.w))] for k, d in self.devs.items()
+    }
 
   def train_choice(self, kind, n):
     """Fastest feasible layout of n chips of `kind`, or None if none fits."""
@@ -158,8 +159,7 @@ class Problem:
       return None
     bw = self._sync_bw(dev, dev)  # the sender's own NIC/link
     fixed = cm.train_time(self.m, dev, best_layout, 0, self.seq_len).total_s
-    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw),
-                       n * dev.price_per_hour)
+    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw), n * dev.price_per_hour)
 
   def _sync_bw(self, src, dst):
     same_fabric = src.platform == "tpu" or self.cluster.counts[src.name] <= src.chips_per_host
@@ -167,9 +167,11 @@ class Problem:
 
   def options(self, train: TrainChoice, limits):
     src = self.devs[train.device_type]
-    return [Option(r, r.load_coeffs(self.w), cm.sync_recv_time(self.m, r.tensor, self._sync_bw(src, self.devs[k])),
-                   r.tensor * self.devs[k].price_per_hour)
-            for k in limits for r in self.replicas[k] if r.tensor <= limits[k]]
+    return [
+        Option(r, r.load_coeffs(self.w), cm.sync_recv_time(self.m, r.tensor, self._sync_bw(src, self.devs[k])),
+               r.tensor * self.devs[k].price_per_hour) for k in limits for r in self.replicas[k]
+        if r.tensor <= limits[k]
+    ]
 
   def evaluate(self, objective, train: TrainChoice, counts) -> Plan:
     """Exact figures of one allocation: `counts` is [(Option, y)]; x comes from water-filling."""
@@ -184,11 +186,11 @@ class Problem:
     idle[train.device_type] -= train.layout.devices
     for g in groups:
       idle[g.option.replica.device_type] -= g.count * g.option.replica.tensor
-    return Plan(objective, self.w, train, groups, makespan, step,
-                self.w.sequences * self.w.output_mean / step,
+    return Plan(objective, self.w, train, groups, makespan, step, self.w.sequences * self.w.output_mean / step,
                 train.price_per_hour + sum(g.option.price_per_hour * g.count for g in groups),
-                train.layout.devices * self.devs[train.device_type].flops / self.total_flops,
-                {k: v for k, v in idle.items() if v})
+                train.layout.devices * self.devs[train.device_type].flops / self.total_flops, {
+                    k: v for k, v in idle.items() if v
+                })
 
   def splits(self):
     """Every (training choice, rollout chip limits) the outer search considers."""
@@ -219,8 +221,7 @@ class Problem:
           f"model '{self.name}' fits no device for training: sharded over all {n} {k} it still needs "
           f"{need:.1f} GB per chip of {cm.MEMORY_HEADROOM * self.devs[k].hbm_gb:.1f} GB usable; add chips or "
           f"larger-memory devices, lower workload.output_len.max, or use a smaller model")
-    smallest = min((r.tensor * self.devs[k].price_per_hour, r.tensor, k)
-                   for k, rs in self.replicas.items() for r in rs)
+    smallest = min((r.tensor * self.devs[k].price_per_hour, r.tensor, k) for k, rs in self.replicas.items() for r in rs)
     raise PlanError(
         f"cluster {dict(self.cluster.counts)} cannot host one rollout replica next to a training pool "
         f"(smallest replica: {smallest[1]} x {smallest[2]}; training fits on {trainable[0][1]} x {trainable[0][0]} "
@@ -245,6 +246,7 @@ def water_fill(used, sequences):
 
 # ---------------------------------------------------------------- the MILP
 
+
 class RolloutMILP:
   """Replica MILP over options psi with per-type chip limits; variables [y_psi..., x_psi...]."""
 
@@ -256,8 +258,10 @@ class RolloutMILP:
     usage = np.zeros((len(types), 2 * k))
     for i, o in enumerate(options):
       usage[types.index(o.replica.device_type), i] = o.replica.tensor
-    self.base = [LinearConstraint(np.r_[np.zeros(k), np.ones(k)][None], sequences, sequences),
-                 LinearConstraint(usage, 0, [limits[t] for t in types])]
+    self.base = [
+        LinearConstraint(np.r_[np.zeros(k), np.ones(k)][None], sequences, sequences),
+        LinearConstraint(usage, 0, [limits[t] for t in types])
+    ]
     self.price = np.array([o.price_per_hour + DEVICE_TIEBREAK * o.replica.tensor for o in options])
     self.y_max = np.array([limits[o.replica.device_type] // o.replica.tensor for o in options], float)
     self.a, self.b, self.c = (np.array(v) for v in zip(*(o.coeffs for o in options)))
@@ -273,8 +277,10 @@ class RolloutMILP:
     """Cheapest y with makespan <= theta (and price <= cap), or None if infeasible."""
     k = self.k
     # s + max(a + b*x/y, c*x/y) <= theta, times y:  b*x - (theta - s - a)*y <= 0, c*x - (theta - s)*y <= 0.
-    rows = np.vstack([np.hstack([-np.diag(theta - self.recv - self.a), np.diag(self.b)]),
-                      np.hstack([-np.diag(theta - self.recv), np.diag(self.c)])])
+    rows = np.vstack([
+        np.hstack([-np.diag(theta - self.recv - self.a), np.diag(self.b)]),
+        np.hstack([-np.diag(theta - self.recv), np.diag(self.c)])
+    ])
     cons = self.base + [LinearConstraint(rows, -np.inf, 0)]
     if math.isfinite(price_cap):
       cons.append(LinearConstraint(np.r_[self.price, np.zeros(k)][None], -np.inf, price_cap))
@@ -305,6 +311,7 @@ class RolloutMILP:
 
 
 # ---------------------------------------------------------------- searches
+
 
 def better(a: Plan, b, objective) -> bool:
   """Throughput: more tokens/s, then cheaper. Cost: fewer $/M tokens, then more tokens/s."""
@@ -382,8 +389,8 @@ def _cost_floor(p, train, opts, theta_from):
   if train.price_per_hour > 0 and k > 0:
     points.append(s + math.sqrt(k * (w.reward_s + s) / train.price_per_hour))
   tokens = w.sequences * w.output_mean
-  return min((train.price_per_hour + k / (t - s)) * _step_for(p, train, t) / 3600 / tokens * 1e6
-             for t in points if t >= theta_from and t > s)
+  return min((train.price_per_hour + k / (t - s)) * _step_for(p, train, t) / 3600 / tokens * 1e6 for t in points
+             if t >= theta_from and t > s)
 
 
 def _cost_search(p, train, milp_, opts, best, min_throughput):
@@ -453,8 +460,8 @@ def _type_vectors(opts, limit):
       yield [(head, y)] + tail
 
 
-def homogeneous_alternatives(model_cfg, cluster: Cluster, budget_per_hour, objective="throughput",
-                             min_throughput=0.0, name="model"):
+def homogeneous_alternatives(model_cfg, cluster: Cluster, budget_per_hour, objective="throughput", min_throughput=0.0,
+                             name="model"):
   """For each type in the cluster: the plan on as many of that chip as `budget_per_hour` buys.
 
   Returns {type: (count, Plan or PlanError)}; types priced at 0 keep their cluster count.

@@ -24,17 +24,19 @@ import numpy as np
 from scipy.optimize import nnls
 
 from jaxrl_hex.models.config import model_config
-from jaxrl_hex.planner import PlanError
-from jaxrl_hex.planner import cost_model as cm
+from jaxrl_hex.planner import PlanError, cost_model as cm
 
 FIELDS = {
     "train": ("device_type", "devices", "mesh", "model", "seq_len", "tokens_per_step", "tokens_per_s"),
     "rollout": ("device_type", "devices", "mesh", "model", "batch", "context", "decode_tokens_per_s"),
 }
 # (efficiency fields, one per roofline part of TimeParts, overhead field) in the catalog for each pool.
-FACTORS = {"train": (("train_mfu",), "train_overhead_s"),
-           "rollout": (("rollout_eff", "attention_eff"), "decode_overhead_s")}
+FACTORS = {
+    "train": (("train_mfu",), "train_overhead_s"),
+    "rollout": (("rollout_eff", "attention_eff"), "decode_overhead_s")
+}
 PARTS = ("roofline_s", "attention_s")  # the roofline parts the efficiency fields divide, in order
+
 
 def load_measurements(paths) -> list:
   records = []
@@ -63,7 +65,6 @@ def _check(rec, where):
 
 def _model(spec):
   if isinstance(spec, str):
-    from jaxrl_hex.planner.command import load_model  # only for records that name a config file
     return cm.ModelCost.from_config(load_model(spec)[1])
   return cm.ModelCost.from_config(model_config(**spec))
 
@@ -141,9 +142,15 @@ def error_report(records, catalog, overlay) -> list:
     fitted = dataclasses.replace(dev, **overlay["devices"].get(rec["device_type"], {}))
     measured, before = predict(rec, dev)
     after = predict(rec, fitted)[1]
-    report.append({"pool": rec["pool"], "device_type": rec["device_type"], "devices": rec["devices"],
-                   "mesh": rec["mesh"], "measured_s": measured, "predicted_before_s": before.total_s,
-                   "predicted_after_s": after.total_s,
-                   "error_before": abs(before.total_s - measured) / measured,
-                   "error_after": abs(after.total_s - measured) / measured})
+    report.append({
+        "pool": rec["pool"],
+        "device_type": rec["device_type"],
+        "devices": rec["devices"],
+        "mesh": rec["mesh"],
+        "measured_s": measured,
+        "predicted_before_s": before.total_s,
+        "predicted_after_s": after.total_s,
+        "error_before": abs(before.total_s - measured) / measured,
+        "error_after": abs(after.total_s - measured) / measured
+    })
   return report

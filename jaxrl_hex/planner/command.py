@@ -1,42 +1,15 @@
 """`jaxrl-hex plan` and `jaxrl-hex simulate`: argument parsing, plan files and readable output."""
 import argparse
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import sys
 
 import yaml
 
-from jaxrl_hex.planner import PlanError
-from jaxrl_hex.planner import allocate
+from jaxrl_hex.planner import PlanError, allocate
+from jaxrl_hex.planner.model_files import load_model
 from jaxrl_hex.planner.simulate import SimSpec, draw_timeline, simulate
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def load_model(arg):
-  """configs/models/NAME.py or NAME -> (name, config); looks in ./configs/models then the repo's."""
-  path = pathlib.Path(arg)
-  if arg.endswith(".py"):
-    candidates = [path]
-  else:
-    candidates = [pathlib.Path("configs/models") / f"{arg}.py", REPO / "configs/models" / f"{arg}.py"]
-  found = next((c for c in candidates if c.is_file()), None)
-  if found is None:
-    raise PlanError(f"model '{arg}' not found (looked for {', '.join(map(str, candidates))}); "
-                    f"pass configs/models/NAME.py or NAME")
-  spec = importlib.util.spec_from_file_location(f"model_{found.stem}", found)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
-  except AttributeError:
-    raise PlanError(f"model file {found} has no get_config(); define one returning model_config(...)") from None
-  except ValueError as e:
-    raise PlanError(f"model file {found}: {e}") from None
-  return found.stem, cfg
-
 
 def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, alternatives=None) -> dict:
   """The runtime's mesh-file format (pools.train / pools.rollout) plus a `plan:` block."""
@@ -44,49 +17,84 @@ def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, altern
   groups = p.groups
   rollout_types = {g.option.replica.device_type for g in groups}
   tensors = {g.option.replica.tensor for g in groups}
-  rollout = {"device_type": rollout_types.pop() if len(rollout_types) == 1 else "mixed",
-             "devices": sum(p.rollout_devices.values()),
-             # With several replica kinds the mesh gives the replica count and largest TP
-             # degree; `replicas` is the authoritative per-kind layout.
-             "mesh": {"data": sum(g.count for g in groups), "tensor": max(tensors)}}
+  rollout = {
+      "device_type": rollout_types.pop() if len(rollout_types) == 1 else "mixed",
+      "devices": sum(p.rollout_devices.values()),
+      # With several replica kinds the mesh gives the replica count and largest TP
+      # degree; `replicas` is the authoritative per-kind layout.
+      "mesh": {
+          "data": sum(g.count for g in groups),
+          "tensor": max(tensors)
+      }
+  }
   if len(groups) > 1:
-    rollout["replicas"] = [{"device_type": g.option.replica.device_type, "count": g.count,
-                            "mesh": {"tensor": g.option.replica.tensor}} for g in groups]
+    rollout["replicas"] = [{
+        "device_type": g.option.replica.device_type,
+        "count": g.count,
+        "mesh": {
+            "tensor": g.option.replica.tensor
+        }
+    } for g in groups]
   used = [t.device_type] + [g.option.replica.device_type for g in groups]
   platforms = {cluster.catalog[k].platform for k in used}
   out = {"platform": platforms.pop() if len(platforms) == 1 else "mixed"}
   if out["platform"] == "cpu":
     out["num_devices"] = t.layout.devices + rollout["devices"]
-  out["pools"] = {"train": {"device_type": t.device_type, "devices": t.layout.devices, "mesh": t.layout.mesh()},
-                  "rollout": rollout}
+  out["pools"] = {
+      "train": {
+          "device_type": t.device_type,
+          "devices": t.layout.devices,
+          "mesh": t.layout.mesh()
+      },
+      "rollout": rollout
+  }
   w = p.workload
   out["plan"] = {
-      "objective": p.objective, "model": model_name, "cluster": dict(cluster.counts),
+      "objective": p.objective,
+      "model": model_name,
+      "cluster": dict(cluster.counts),
       "predicted": {
           "gen_tokens_per_s": round(p.gen_tokens_per_s, 1),
           "trained_tokens_per_s": round(w.trained_tokens / p.step_s, 1),
-          "step_s": round(p.step_s, 4), "train_step_s": round(t.step_s, 4),
-          "rollout_s": round(p.rollout_s, 4), "reward_s": w.reward_s,
-          "price_per_hour": round(p.price_per_hour, 4), "usd_per_mtok": round(p.usd_per_mtok, 5),
-          "train_flop_share": round(p.train_flop_share, 4)},
+          "step_s": round(p.step_s, 4),
+          "train_step_s": round(t.step_s, 4),
+          "rollout_s": round(p.rollout_s, 4),
+          "reward_s": w.reward_s,
+          "price_per_hour": round(p.price_per_hour, 4),
+          "usd_per_mtok": round(p.usd_per_mtok, 5),
+          "train_flop_share": round(p.train_flop_share, 4)
+      },
       "idle": dict(p.idle),
       "workload": dataclasses.asdict(w),
       "sim": {
           "train_fixed_s": t.fixed_s + t.send_s,
           "train_per_token_s": (t.time.total_s - t.fixed_s) / w.trained_tokens,
-          "replicas": [{"device_type": g.option.replica.device_type, "count": g.count,
-                        "tensor": g.option.replica.tensor, "slots": g.option.replica.slots,
-                        "step_fixed_s": g.option.replica.step_fixed_s,
-                        "step_per_seq_s": g.option.replica.step_per_seq_s,
-                        "prefill_s": g.option.replica.prefill.total_s, "recv_s": g.option.recv_s,
-                        "tokens_per_s": round(g.option.replica.tokens_per_s(w), 1), "assigned": g.assigned}
-                       for g in groups]}}
+          "replicas": [{
+              "device_type": g.option.replica.device_type,
+              "count": g.count,
+              "tensor": g.option.replica.tensor,
+              "slots": g.option.replica.slots,
+              "step_fixed_s": g.option.replica.step_fixed_s,
+              "step_per_seq_s": g.option.replica.step_per_seq_s,
+              "prefill_s": g.option.replica.prefill.total_s,
+              "recv_s": g.option.recv_s,
+              "tokens_per_s": round(g.option.replica.tokens_per_s(w), 1),
+              "assigned": g.assigned
+          } for g in groups]
+      }
+  }
   if alternatives:
     out["plan"]["alternatives"] = {
-        kind: ({"count": n, "error": str(alt)} if isinstance(alt, PlanError) else
-               {"count": n, "gen_tokens_per_s": round(alt.gen_tokens_per_s, 1),
-                "price_per_hour": round(alt.price_per_hour, 4), "usd_per_mtok": round(alt.usd_per_mtok, 5)})
-        for kind, (n, alt) in alternatives.items()}
+        kind: ({
+            "count": n,
+            "error": str(alt)
+        } if isinstance(alt, PlanError) else {
+            "count": n,
+            "gen_tokens_per_s": round(alt.gen_tokens_per_s, 1),
+            "price_per_hour": round(alt.price_per_hour, 4),
+            "usd_per_mtok": round(alt.usd_per_mtok, 5)
+        }) for kind, (n, alt) in alternatives.items()
+    }
   return out
 
 
@@ -94,10 +102,12 @@ def format_plan(p: allocate.Plan, model_name, cluster, alternatives, budget) -> 
   t, w = p.train, p.workload
   have = " + ".join(f"{n} {k}" for k, n in cluster.counts.items())
   mesh = " ".join(f"{k}={v}" for k, v in t.layout.mesh().items())
-  lines = [f"Plan for {model_name} on {have} (objective: {p.objective})",
-           f"  train    {t.layout.devices} x {t.device_type}, mesh {mesh}: step {t.time.total_s:.2f} s "
-           f"(roofline {t.time.roofline_s / t.time.efficiency:.2f} s at MFU {t.time.efficiency:.0%}, "
-           f"comm {t.time.comm_s:.2f} s) + weight push {t.send_s:.2f} s"]
+  lines = [
+      f"Plan for {model_name} on {have} (objective: {p.objective})",
+      f"  train    {t.layout.devices} x {t.device_type}, mesh {mesh}: step {t.time.total_s:.2f} s "
+      f"(roofline {t.time.roofline_s / t.time.efficiency:.2f} s at MFU {t.time.efficiency:.0%}, "
+      f"comm {t.time.comm_s:.2f} s) + weight push {t.send_s:.2f} s"
+  ]
   for g in p.groups:
     r = g.option.replica
     lines.append(f"  rollout  {g.count} replica(s) x {r.tensor} {r.device_type} (TP {r.tensor}): {r.slots} slots, "
@@ -106,12 +116,14 @@ def format_plan(p: allocate.Plan, model_name, cluster, alternatives, budget) -> 
   if p.idle:
     lines.append("  idle     " + ", ".join(f"{n} x {k}" for k, n in p.idle.items()))
   bound = "train" if t.step_s >= p.rollout_s + w.reward_s else "rollout"
-  lines += [f"  step     {p.step_s:.2f} s ({bound}-bound; train {t.step_s:.2f} s, rollout {p.rollout_s:.2f} s "
-            f"+ reward {w.reward_s:g} s; eta {w.eta})",
-            f"  predict  {p.gen_tokens_per_s:,.0f} generated tok/s, {w.trained_tokens / p.step_s:,.0f} trained tok/s",
-            f"  cost     ${p.price_per_hour:,.2f}/hour, ${p.usd_per_mtok:.3f} per M generated tokens; "
-            f"training gets {p.train_flop_share:.0%} of the cluster's FLOPs",
-            f"Homogeneous alternatives at the whole cluster's budget (${budget:,.2f}/hour):"]
+  lines += [
+      f"  step     {p.step_s:.2f} s ({bound}-bound; train {t.step_s:.2f} s, rollout {p.rollout_s:.2f} s "
+      f"+ reward {w.reward_s:g} s; eta {w.eta})",
+      f"  predict  {p.gen_tokens_per_s:,.0f} generated tok/s, {w.trained_tokens / p.step_s:,.0f} trained tok/s",
+      f"  cost     ${p.price_per_hour:,.2f}/hour, ${p.usd_per_mtok:.3f} per M generated tokens; "
+      f"training gets {p.train_flop_share:.0%} of the cluster's FLOPs",
+      f"Homogeneous alternatives at the whole cluster's budget (${budget:,.2f}/hour):"
+  ]
   for kind, (n, alt) in alternatives.items():
     if isinstance(alt, PlanError):
       lines.append(f"  {n:>4} x {kind}: infeasible ({alt})")
@@ -147,8 +159,7 @@ def _plan(argv):
   ap.add_argument("--cluster", required=True, help="meshes/cluster-NAME.yaml")
   ap.add_argument("--model", required=True, help="configs/models/NAME.py or NAME")
   ap.add_argument("--objective", choices=allocate.OBJECTIVES, default="throughput")
-  ap.add_argument("--min-throughput", type=float, default=0.0,
-                  help="generated tokens/s floor (for --objective cost)")
+  ap.add_argument("--min-throughput", type=float, default=0.0, help="generated tokens/s floor (for --objective cost)")
   ap.add_argument("--catalog", help="extra catalog YAML: overrides or adds device entries")
   ap.add_argument("--out", help="plan mesh file to write (default: plan-NAME-MODEL.yaml next to the cluster file)")
   ap.add_argument("--json", action="store_true", help="print the plan file as JSON instead of text")
@@ -157,12 +168,12 @@ def _plan(argv):
   cluster = allocate.load_cluster(args.cluster, args.catalog)
   p = allocate.plan(cfg, cluster, args.objective, args.min_throughput, model_name)
   budget = sum(cluster.catalog[k].price_per_hour * n for k, n in cluster.counts.items())
-  alternatives = allocate.homogeneous_alternatives(cfg, cluster, budget, args.objective,
-                                                   args.min_throughput, model_name)
+  alternatives = allocate.homogeneous_alternatives(cfg, cluster, budget, args.objective, args.min_throughput,
+                                                   model_name)
   mesh = plan_to_mesh(p, model_name, cluster, alternatives)
   cluster_path = pathlib.Path(args.cluster)
-  out = pathlib.Path(args.out or cluster_path.with_name(
-      f"plan-{cluster_path.stem.removeprefix('cluster-')}-{model_name}.yaml"))
+  out = pathlib.Path(args.out or
+                     cluster_path.with_name(f"plan-{cluster_path.stem.removeprefix('cluster-')}-{model_name}.yaml"))
   out.write_text(f"# Written by `jaxrl-hex plan --cluster {args.cluster} --model {args.model} "
                  f"--objective {args.objective}`.\n" + yaml.safe_dump(mesh, sort_keys=False))
   if args.json:

@@ -26,16 +26,16 @@ def dtype_bytes(name) -> int:
 @dataclasses.dataclass(frozen=True)
 class Workload:
   """One RL step: batch_size prompts x group_size samples, and the async-loop knobs."""
-  batch_size: int = 64          # prompts per trainer step
-  group_size: int = 8           # samples per prompt (GRPO group)
+  batch_size: int = 64  # prompts per trainer step
+  group_size: int = 8  # samples per prompt (GRPO group)
   prompt_len: int = 1024
-  output_mean: float = 4096.0   # mean generated tokens per sample
-  output_max: int = 16384       # a KV slot must hold prompt + output_max
+  output_mean: float = 4096.0  # mean generated tokens per sample
+  output_max: int = 16384  # a KV slot must hold prompt + output_max
   output_dist: str = "lognormal"  # fixed | lognormal | uniform; shapes the simulator's lengths
-  output_sigma: float = 0.6     # lognormal shape
-  eta: int = 4                  # max staleness; 0 = synchronous
-  reward_s: float = 1.0         # reward computation per step, a constant
-  max_concurrency: int = 256    # the engine's cap on sequences decoded together per replica
+  output_sigma: float = 0.6  # lognormal shape
+  eta: int = 4  # max staleness; 0 = synchronous
+  reward_s: float = 1.0  # reward computation per step, a constant
+  max_concurrency: int = 256  # the engine's cap on sequences decoded together per replica
 
   @property
   def sequences(self) -> int:
@@ -78,9 +78,9 @@ class Workload:
 class ModelCost:
   """The shape facts the cost model needs, derived once from a model config."""
   params: int
-  weight_bytes: float   # all parameters in param dtype
-  kv_bytes_token: int   # KV cache per token over all layers
-  act_bytes: int        # activation dtype size
+  weight_bytes: float  # all parameters in param dtype
+  kv_bytes_token: int  # KV cache per token over all layers
+  act_bytes: int  # activation dtype size
   n_layers: int
   d_model: int
   n_heads: int
@@ -104,11 +104,11 @@ class ModelCost:
 
 @dataclasses.dataclass(frozen=True)
 class TimeParts:
-  roofline_s: float   # at efficiency 1
+  roofline_s: float  # at efficiency 1
   comm_s: float
   efficiency: float
   overhead_s: float
-  attention_s: float = 0.0     # decode only: the attention kernels' roofline, at attention_eff
+  attention_s: float = 0.0  # decode only: the attention kernels' roofline, at attention_eff
   attention_eff: float = 1.0
 
   @property
@@ -122,6 +122,7 @@ def _collective_bytes(payload, group) -> float:
 
 
 # ---------------------------------------------------------------- training
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainLayout:
@@ -190,6 +191,7 @@ def _divisors(n):
 
 # ---------------------------------------------------------------- rollout
 
+
 @dataclasses.dataclass(frozen=True)
 class Replica:
   """One inference replica: `tensor` chips of one type serving up to `slots` sequences at once.
@@ -200,7 +202,7 @@ class Replica:
   device_type: str
   tensor: int
   slots: int
-  prefill: TimeParts       # one prompt; it stalls the replica's decoding
+  prefill: TimeParts  # one prompt; it stalls the replica's decoding
   step_fixed_s: float
   step_per_seq_s: float
 
@@ -277,10 +279,11 @@ def replica(m: ModelCost, dev, tensor: int, w: Workload):
 
 def tensor_degrees(dev):
   """TP degrees a replica may use on this device: powers of two inside one host."""
-  return [2 ** k for k in range(int(math.log2(dev.chips_per_host)) + 1)]
+  return [2**k for k in range(int(math.log2(dev.chips_per_host)) + 1)]
 
 
 # ---------------------------------------------------------------- weight sync
+
 
 def sync_bw(src, dst, same_fabric: bool) -> float:
   """Bytes/s per chip between a train chip of `src` and a rollout chip of `dst`.

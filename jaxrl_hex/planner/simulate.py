@@ -41,9 +41,10 @@ class SimSpec:
     try:
       plan = data["plan"]
       sim = plan["sim"]
-      replicas = tuple(ReplicaSpec(g["device_type"], int(g["tensor"]), int(g["slots"]), float(g["step_fixed_s"]),
-                                   float(g["step_per_seq_s"]), float(g["prefill_s"]), float(g["recv_s"]))
-                       for g in sim["replicas"] for _ in range(int(g["count"])))
+      replicas = tuple(
+          ReplicaSpec(g["device_type"], int(g["tensor"]), int(g["slots"]), float(g["step_fixed_s"]),
+                      float(g["step_per_seq_s"]), float(g["prefill_s"]), float(g["recv_s"])) for g in sim["replicas"]
+          for _ in range(int(g["count"])))
       return cls(Workload.from_dict(plan["workload"], f"{where}: plan.workload"), float(sim["train_fixed_s"]),
                  float(sim["train_per_token_s"]), replicas)
     except (KeyError, TypeError) as e:
@@ -54,20 +55,21 @@ class SimSpec:
 class SimResult:
   steps: int
   duration_s: float
-  gen_tokens_per_s: float        # steady state: after the first trainer step
+  gen_tokens_per_s: float  # steady state: after the first trainer step
   trained_tokens_per_s: float
-  trainer_idle_frac: float       # trainer waiting for a full batch
-  rollout_idle_frac: float       # replica-time with nothing in flight (gate closed or no slot work)
-  rollout_slot_util: float       # busy slot-time over all slot-time
-  sync_frac: float               # replica-time paused for weight syncs
-  staleness: dict                # {versions behind: samples}
-  train_segments: list = dataclasses.field(repr=False)    # (start, end)
-  replica_busy: list = dataclasses.field(repr=False)      # per replica [(start, end)]
-  replica_sync: list = dataclasses.field(repr=False)      # per replica [(start, end)]
+  trainer_idle_frac: float  # trainer waiting for a full batch
+  rollout_idle_frac: float  # replica-time with nothing in flight (gate closed or no slot work)
+  rollout_slot_util: float  # busy slot-time over all slot-time
+  sync_frac: float  # replica-time paused for weight syncs
+  staleness: dict  # {versions behind: samples}
+  train_segments: list = dataclasses.field(repr=False)  # (start, end)
+  replica_busy: list = dataclasses.field(repr=False)  # per replica [(start, end)]
+  replica_sync: list = dataclasses.field(repr=False)  # per replica [(start, end)]
 
   def summary(self) -> dict:
-    return {k: v for k, v in dataclasses.asdict(self).items()
-            if k not in ("train_segments", "replica_busy", "replica_sync")}
+    return {
+        k: v for k, v in dataclasses.asdict(self).items() if k not in ("train_segments", "replica_busy", "replica_sync")
+    }
 
 
 class _Replica:
@@ -78,8 +80,8 @@ class _Replica:
     self.spec = spec
     self.work, self.last, self.paused_until = 0.0, 0.0, 0.0
     self.inflight = []  # heap of (work finish, request id)
-    self.epoch = 0      # only the latest scheduled finish event of a replica is live
-    self.held = 0.0     # slot-seconds held by in-flight sequences
+    self.epoch = 0  # only the latest scheduled finish event of a replica is live
+    self.held = 0.0  # slot-seconds held by in-flight sequences
     self.busy_since = None
 
   def step_s(self):
@@ -108,7 +110,7 @@ def _lengths(w: Workload, rng, n):
   elif w.output_dist == "uniform":
     out = rng.uniform(1, 2 * w.output_mean - 1, n)
   else:  # lognormal with the requested mean
-    mu = math.log(w.output_mean) - w.output_sigma ** 2 / 2
+    mu = math.log(w.output_mean) - w.output_sigma**2 / 2
     out = rng.lognormal(mu, w.output_sigma, n)
   return np.clip(np.rint(out), 1, w.output_max).astype(int)
 
@@ -125,7 +127,7 @@ def simulate(spec: SimSpec, steps=30, seed=0) -> SimResult:
     heapq.heappush(events, (t, counter[0], kind, payload))
 
   generated, version, trainer_busy = 0, 0, False
-  start_version, buffer = {}, []   # request -> version at admission; finished (ready time, id)
+  start_version, buffer = {}, []  # request -> version at admission; finished (ready time, id)
   staleness, train_segments, step_ends = {}, [], []
   busy = [[] for _ in replicas]
   sync = [[] for _ in replicas]
@@ -211,8 +213,8 @@ def simulate(spec: SimSpec, steps=30, seed=0) -> SimResult:
     r.advance(end)
     if r.busy_since is not None:
       busy[i].append((r.busy_since, end))
-  return _result(spec, steps, end, step_ends, gen_after_first, trained_tokens, staleness, train_segments,
-                 busy, sync, sum(r.held for r in replicas))
+  return _result(spec, steps, end, step_ends, gen_after_first, trained_tokens, staleness, train_segments, busy, sync,
+                 sum(r.held for r in replicas))
 
 
 def _clip_total(segments, end):
@@ -225,16 +227,13 @@ def _result(spec, steps, end, step_ends, gen_after_first, trained_tokens, stalen
   steady = step_ends[-1] - step_ends[0] if len(step_ends) > 1 else math.inf
   replica_time = n * end if end else math.inf
   total_slots = sum(r.slots for r in spec.replicas)
-  return SimResult(
-      steps=len(step_ends), duration_s=end,
-      gen_tokens_per_s=gen_after_first / steady,
-      trained_tokens_per_s=trained_tokens / end if end else 0.0,
-      trainer_idle_frac=1 - _clip_total(train_segments, end) / end if end else 1.0,
-      rollout_idle_frac=max(0.0, 1 - sum(_clip_total(b, end) for b in busy) / replica_time),
-      rollout_slot_util=slot_seconds / (total_slots * end) if end else 0.0,
-      sync_frac=sum(_clip_total(s, end) for s in sync) / replica_time,
-      staleness=dict(sorted(staleness.items())), train_segments=train_segments,
-      replica_busy=busy, replica_sync=sync)
+  return SimResult(steps=len(step_ends), duration_s=end, gen_tokens_per_s=gen_after_first / steady,
+                   trained_tokens_per_s=trained_tokens / end if end else 0.0,
+                   trainer_idle_frac=1 - _clip_total(train_segments, end) / end if end else 1.0,
+                   rollout_idle_frac=max(0.0, 1 - sum(_clip_total(b, end) for b in busy) / replica_time),
+                   rollout_slot_util=slot_seconds / (total_slots * end) if end else 0.0,
+                   sync_frac=sum(_clip_total(s, end) for s in sync) / replica_time, staleness=dict(
+                       sorted(staleness.items())), train_segments=train_segments, replica_busy=busy, replica_sync=sync)
 
 
 MAX_ROWS = 32  # replicas drawn; the rest are summarised in the title
@@ -258,8 +257,9 @@ def draw_timeline(result: SimResult, spec: SimSpec, path, title=""):
   ax.set_xlim(0, result.duration_s)
   ax.set_xlabel("seconds")
   more = f" (+{len(spec.replicas) - rows} replicas not drawn)" if len(spec.replicas) > rows else ""
-  ax.set_title(f"{title} {result.gen_tokens_per_s:,.0f} generated tok/s; trainer idle "
-               f"{result.trainer_idle_frac:.0%}, rollout idle {result.rollout_idle_frac:.0%}{more}", fontsize=9)
+  ax.set_title(
+      f"{title} {result.gen_tokens_per_s:,.0f} generated tok/s; trainer idle "
+      f"{result.trainer_idle_frac:.0%}, rollout idle {result.rollout_idle_frac:.0%}{more}", fontsize=9)
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:green", "tab:red")]
   ax.legend(handles, ["train step", "generating", "weight sync"], loc="upper right", fontsize=7)
   hist.bar([str(k) for k in result.staleness], list(result.staleness.values()), color="tab:gray")

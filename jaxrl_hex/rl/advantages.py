@@ -20,10 +20,10 @@ EPS = 1e-6
 
 @dataclasses.dataclass
 class AdvantageInputs:
-  token_rewards: jax.Array          # [N, C] fp32, zero off the completion
-  mask: jax.Array                   # [N, C] fp32, 1 on completion tokens
-  group_ids: jax.Array              # [N], samples of one prompt share an id
-  values: jax.Array | None = None   # [N, C] critic values at the start of the step
+  token_rewards: jax.Array  # [N, C] fp32, zero off the completion
+  mask: jax.Array  # [N, C] fp32, 1 on completion tokens
+  group_ids: jax.Array  # [N], samples of one prompt share an id
+  values: jax.Array | None = None  # [N, C] critic values at the start of the step
 
   @property
   def rewards(self):
@@ -34,10 +34,10 @@ class AdvantageInputs:
 def group_stats(x, group_ids):
   """Mean, population variance and size of each row's group. x, group_ids [N] -> 3 x [N].
   Groups need not be contiguous."""
-  same = group_ids[:, None] == group_ids[None, :]              # [N, N]
+  same = group_ids[:, None] == group_ids[None, :]  # [N, N]
   count = same.sum(1)
   mean = (same * x[None, :]).sum(1) / count
-  var = (same * (x[None, :] - mean[:, None]) ** 2).sum(1) / count
+  var = (same * (x[None, :] - mean[:, None])**2).sum(1) / count
   return mean, var, count
 
 
@@ -45,15 +45,17 @@ def whiten(x, mask, eps=EPS):
   """(x - mean) / (std + eps) over the masked entries of the whole batch; 0 off the mask."""
   n = jnp.maximum(mask.sum(), 1)
   mean = (x * mask).sum() / n
-  std = jnp.sqrt((((x - mean) * mask) ** 2).sum() / n)
+  std = jnp.sqrt((((x - mean) * mask)**2).sum() / n)
   return (x - mean) / (std + eps) * mask
 
 
 def discounted_cumsum(x, discount):
   """y_t = x_t + discount * y_{t+1} along the last axis (time). x [N, C]."""
+
   def back(carry, x_t):
     carry = x_t + discount * carry
     return carry, carry
+
   _, ys = jax.lax.scan(back, jnp.zeros_like(x[:, 0]), x.T, reverse=True)
   return ys.T
 

@@ -14,9 +14,9 @@ import typing
 @dataclasses.dataclass
 class Item:
   batch_index: int
-  rollout: typing.Any       # rollout.engine.Rollout, scored
-  data_state: dict          # prompt-stream state after this batch's prompts
-  version: int              # oldest policy version among its tokens
+  rollout: typing.Any  # data.rollouts.Rollout, scored
+  data_state: dict  # prompt-stream state after this batch's prompts
+  version: int  # oldest policy version among its tokens
   stats: dict = dataclasses.field(default_factory=dict)
 
 
@@ -39,8 +39,7 @@ class Buffer:
   def admit(self, batch_index: int, timeout=None) -> bool:
     """Blocks until batch `batch_index` may be generated; False on timeout."""
     with self._cond:
-      ok = self._cond.wait_for(
-          lambda: self._closed or batch_index <= self._version + self.max_staleness, timeout)
+      ok = self._cond.wait_for(lambda: self._closed or batch_index <= self._version + self.max_staleness, timeout)
       self._raise_if_closed()
       return ok
 

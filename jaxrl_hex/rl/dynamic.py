@@ -9,7 +9,7 @@ every prompt cannot stall the run.
 """
 import numpy as np
 
-from jaxrl_hex.rl.batch import concat_rollouts, select_rows
+from jaxrl_hex.data.rollouts import concat_rollouts, select_rows
 
 
 class GroupFilter:
@@ -35,7 +35,10 @@ class GroupFilter:
     # ids unique within the batch: a prompt drawn again in a later round is another group
     batch.group_ids = np.repeat(np.arange(len(groups)), [len(g.group_ids) for g in groups])
     seen = len(self._kept) + len(self._dropped)
-    stats = {"dynamic_sampling_rounds": self.rounds, "informative_group_fraction": len(self._kept) / seen,
-             "uninformative_groups_used": max(self.need - len(self._kept), 0)}
+    stats = {
+        "dynamic_sampling_rounds": self.rounds,
+        "informative_group_fraction": len(self._kept) / seen,
+        "uninformative_groups_used": max(self.need - len(self._kept), 0)
+    }
     self._reset()
     return batch, stats

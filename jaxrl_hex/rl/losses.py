@@ -28,12 +28,12 @@ LOSSES = Registry("policy loss", "algo.loss")
 @dataclasses.dataclass
 class LossInputs:
   """Per-token arrays of one shape S ([N, C] padded rows, or [R, L] packed rows)."""
-  logp: jax.Array          # current policy, differentiable
-  prox_logp: jax.Array     # proximal policy, constant
-  behav_logp: jax.Array    # behaviour policy, constant
+  logp: jax.Array  # current policy, differentiable
+  prox_logp: jax.Array  # proximal policy, constant
+  behav_logp: jax.Array  # behaviour policy, constant
   advantages: jax.Array
-  mask: jax.Array          # fp32, 1 on completion tokens
-  seq: jax.Array           # int32 sequence id of each token, in [0, num_seqs)
+  mask: jax.Array  # fp32, 1 on completion tokens
+  seq: jax.Array  # int32 sequence id of each token, in [0, num_seqs)
   num_seqs: int
   behav_weight: jax.Array | None = None  # pi_prox / pi_behav after the cap, set by behaviour_weight
 
@@ -43,8 +43,7 @@ class LossInputs:
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
     n = logp.shape[0]
     seq = jnp.broadcast_to(jnp.arange(n)[:, None], logp.shape)
-    return cls(logp, prox_logp, behav_logp, jnp.broadcast_to(adv, logp.shape),
-               mask.astype(jnp.float32), seq, n)
+    return cls(logp, prox_logp, behav_logp, jnp.broadcast_to(adv, logp.shape), mask.astype(jnp.float32), seq, n)
 
   def seq_sum(self, x):
     """Per-token x -> the sum of x over each token's sequence, broadcast back to its tokens."""
@@ -87,8 +86,7 @@ def dual_clip(inp: LossInputs, algo):
   floor = algo.dual_clip_c * inp.advantages
   floored = (inp.advantages < 0) & (objective < floor)
   objective = jnp.where(floored, floor, objective)
-  return -inp.behav_weight * objective, {"clip_fraction": clipped,
-                                         "dual_clip_fraction": floored.astype(jnp.float32)}
+  return -inp.behav_weight * objective, {"clip_fraction": clipped, "dual_clip_fraction": floored.astype(jnp.float32)}
 
 
 @LOSSES.register("gspo")
@@ -107,8 +105,7 @@ def cispo(inp: LossInputs, algo):
   ratio = jnp.exp(inp.logp - inp.prox_logp)
   is_weight = jnp.clip(ratio, 1 - algo.clip_eps_low, 1 + algo.clip_eps_high)
   clipped = (is_weight != ratio).astype(jnp.float32)
-  return (-inp.behav_weight * jax.lax.stop_gradient(is_weight) * inp.advantages * inp.logp,
-          {"clip_fraction": clipped})
+  return (-inp.behav_weight * jax.lax.stop_gradient(is_weight) * inp.advantages * inp.logp, {"clip_fraction": clipped})
 
 
 def kl_k1(logp, ref_logp):
@@ -118,7 +115,7 @@ def kl_k1(logp, ref_logp):
 
 def kl_k2(logp, ref_logp):
   """(log pi - log ref)^2 / 2: biased, low variance, its gradient is that of KL's."""
-  return 0.5 * (logp - ref_logp) ** 2
+  return 0.5 * (logp - ref_logp)**2
 
 
 def kl_k3(logp, ref_logp):
@@ -133,7 +130,7 @@ KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 def value_loss(values, old_values, returns, clip: float):
   """PPO's clipped value loss per token: 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2)."""
   clipped = old_values + jnp.clip(values - old_values, -clip, clip)
-  return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+  return 0.5 * jnp.maximum((values - returns)**2, (clipped - returns)**2)
 
 
 def masked_mean(x, mask):

@@ -19,9 +19,13 @@ from jaxrl_hex.rl.aggregation import AGGREGATIONS, minibatch_weights
 from jaxrl_hex.rl.losses import KL_ESTIMATORS, LOSSES, LossInputs, behaviour_weight, value_loss
 from jaxrl_hex.rl.trainer import from_layout, layout_logprobs, layout_values, over_layout, to_layout
 
-CHOICES = {"behav_weight_mode": ("mask", "truncate"), "behav_weight_level": ("token", "sequence"),
-           "kl_mode": ("loss", "reward"), "kl_estimator": tuple(KL_ESTIMATORS),
-           "prox_logp": ("recompute", "interpolate")}
+CHOICES = {
+    "behav_weight_mode": ("mask", "truncate"),
+    "behav_weight_level": ("token", "sequence"),
+    "kl_mode": ("loss", "reward"),
+    "kl_estimator": tuple(KL_ESTIMATORS),
+    "prox_logp": ("recompute", "interpolate")
+}
 
 
 def _wsum(weights, x):
@@ -60,8 +64,8 @@ class RLObjective:
     if getattr(self.estimator, "needs_critic", False):
       self.critic_optimizer = optax.chain(optax.clip_by_global_norm(algo.critic.grad_clip),
                                           optax.adamw(algo.critic.lr, weight_decay=0.0))
-    self.layout_options = dict(minibatches=algo.minibatches, micro_batch_tokens=algo.micro_batch_tokens,
-                               pack=algo.pack, row_length=algo.pack_length, share_prompts=algo.share_prompts)
+    self.layout_options = dict(minibatches=algo.minibatches, micro_batch_tokens=algo.micro_batch_tokens, pack=algo.pack,
+                               row_length=algo.pack_length, share_prompts=algo.share_prompts)
 
   def shaped_rewards(self, rewards, lengths, width: int):
     """DAPO's soft overlong punishment: 0 up to width - buffer tokens, then linearly down to
@@ -74,7 +78,7 @@ class RLObjective:
 
   def start(self, policy, critic, params, ref_params, critic_params, layout, batch, slot, minibatch_of, version):
     a, shape = self.algo, layout["tokens"].shape
-    mask = batch["loss_mask"].astype(jnp.float32)                    # [N, C]
+    mask = batch["loss_mask"].astype(jnp.float32)  # [N, C]
     behav = batch["behav_logp"] * mask
     lengths = mask.sum(1)
     logprobs_of = lambda p: over_layout(lambda micro: layout_logprobs(policy, p, micro, self.temperature)[0], layout)
@@ -98,8 +102,8 @@ class RLObjective:
       values = from_layout(over_layout(lambda micro: layout_values(critic, critic_params, micro), layout), slot)
     adv, returns = self.estimator(AdvantageInputs(token_rewards, mask, batch["group_ids"], values), a)
     per_token.update(loss_mask=mask, behav_logp=behav, advantages=adv,
-                     weights=minibatch_weights(self.aggregate, mask, minibatch_of, shape[0], a),
-                     metric_weights=mask / jnp.maximum(mask.sum(), 1))
+                     weights=minibatch_weights(self.aggregate, mask, minibatch_of, shape[0],
+                                               a), metric_weights=mask / jnp.maximum(mask.sum(), 1))
     if a.prox_logp == "interpolate":
       per_token["versions"] = batch["versions"]
     if critic is not None:
@@ -126,8 +130,8 @@ class RLObjective:
     mask, w, mw = micro["loss_mask"], micro["weights"], micro["metric_weights"]
     logp, entropy = layout_logprobs(policy, params, micro, self.temperature)
     logp = jnp.where(mask > 0, logp, 0.0)  # off-completion positions stay finite in every ratio
-    inp = LossInputs(logp, self.proximal_logp(logp, micro, m, version), micro["behav_logp"],
-                     micro["advantages"], mask, micro["seq"], num_seqs)
+    inp = LossInputs(logp, self.proximal_logp(logp, micro, m, version), micro["behav_logp"], micro["advantages"], mask,
+                     micro["seq"], num_seqs)
     inp.behav_weight, kept = behaviour_weight(inp, a.behav_weight_cap, a.behav_weight_mode, a.behav_weight_level)
     per_token, token_metrics = self.policy_loss(inp, a)
     total = _wsum(w, per_token)

@@ -26,24 +26,23 @@ import numpy as np
 
 @dataclasses.dataclass
 class Layout:
-  tokens: np.ndarray      # [M, K, R, L] int32
-  positions: np.ndarray   # [M, K, R, L] int32, restart at 0 in every sequence
-  segments: np.ndarray    # [M, K, R, L] int32, 1.. per sequence within a row, 0 = padding
-  seq: np.ndarray         # [M, K, R, L] int32, index of the sequence in the batch, N = padding
-  slot: np.ndarray        # [N, C] int32 flat index into the layout; `size` where not a loss token
+  tokens: np.ndarray  # [M, K, R, L] int32
+  positions: np.ndarray  # [M, K, R, L] int32, restart at 0 in every sequence
+  segments: np.ndarray  # [M, K, R, L] int32, 1.. per sequence within a row, 0 = padding
+  seq: np.ndarray  # [M, K, R, L] int32, index of the sequence in the batch, N = padding
+  slot: np.ndarray  # [N, C] int32 flat index into the layout; `size` where not a loss token
   minibatch_of: np.ndarray  # [N] int32
   real_tokens: int
-  shards: int = 1         # data-parallel shards; row r of a micro-batch is on shard r // (R / shards)
-  prompt_tokens: np.ndarray | None = None     # [M, K, G, P] share_prompts: each group's prompt, left-padded
+  shards: int = 1  # data-parallel shards; row r of a micro-batch is on shard r // (R / shards)
+  prompt_tokens: np.ndarray | None = None  # [M, K, G, P] share_prompts: each group's prompt, left-padded
   prompt_positions: np.ndarray | None = None  # [M, K, G, P]
-  prompt_valid: np.ndarray | None = None      # [M, K, G, P] bool
-  row_group: np.ndarray | None = None         # [M, K, R] which of the G prompts a row continues
+  prompt_valid: np.ndarray | None = None  # [M, K, G, P] bool
+  row_group: np.ndarray | None = None  # [M, K, R] which of the G prompts a row continues
 
   @property
   def arrays(self) -> dict:
     """The per-micro-batch arrays the model reads."""
-    names = ("tokens", "positions", "segments", "seq", "prompt_tokens", "prompt_positions", "prompt_valid",
-             "row_group")
+    names = ("tokens", "positions", "segments", "seq", "prompt_tokens", "prompt_positions", "prompt_valid", "row_group")
     return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
   @property
@@ -59,9 +58,12 @@ class Layout:
     m, k, r, l = self.shape
     shards = self.shards
     per_shard = (self.segments > 0).reshape(m, k, shards, r // shards * l).sum(-1)
-    return {"padding_share": 1.0 - self.real_tokens / self.size,
-            "micro_batches": float(m * k), "pack_rows": float(m * k * r),
-            "shard_imbalance": float(per_shard.max() / max(per_shard.mean(), 1e-9))}
+    return {
+        "padding_share": 1.0 - self.real_tokens / self.size,
+        "micro_batches": float(m * k),
+        "pack_rows": float(m * k * r),
+        "shard_imbalance": float(per_shard.max() / max(per_shard.mean(), 1e-9))
+    }
 
 
 def first_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
@@ -95,8 +97,8 @@ def deal_rows(loads, micro_batches: int, shards: int, rows_per_shard: int):
   return where
 
 
-def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_tokens=0, pack=False,
-         row_length=0, share_prompts=False, group_ids=None) -> Layout:
+def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_tokens=0, pack=False, row_length=0,
+         share_prompts=False, group_ids=None) -> Layout:
   """tokens, valid [N, P + C]; loss_mask [N, C] -> Layout.
 
   row_length: L when packing (0 = P + C, the padded width); micro_batch_tokens: the token budget
@@ -145,8 +147,8 @@ def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_token
         completion_pos = positions_in_seq[i, width - c_len:]
         slot[i] = np.where(loss_mask[i], base + completion_pos, slot[i])
         start += length
-  return Layout(**out, slot=slot.astype(np.int32), minibatch_of=minibatch_of,
-                real_tokens=int(lengths.sum()), shards=shards)
+  return Layout(**out, slot=slot.astype(np.int32), minibatch_of=minibatch_of, real_tokens=int(lengths.sum()),
+                shards=shards)
 
 
 def _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro_batch_tokens) -> Layout:
@@ -168,8 +170,10 @@ def _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro
   shape = (minibatches, k, r, c_len)
   out = {name: np.zeros(shape, np.int32) for name in ("tokens", "positions", "segments")}
   out["seq"] = np.full(shape, n, np.int32)
-  prompts = {name: np.zeros((minibatches, k, g_mb, p_len), dtype)
-             for name, dtype in (("prompt_tokens", np.int32), ("prompt_positions", np.int32), ("prompt_valid", bool))}
+  prompts = {
+      name: np.zeros((minibatches, k, g_mb, p_len), dtype)
+      for name, dtype in (("prompt_tokens", np.int32), ("prompt_positions", np.int32), ("prompt_valid", bool))
+  }
   row_group = np.zeros((minibatches, k, r), np.int32)
   slot = np.full((n, c_len), np.prod(shape), np.int64)
   minibatch_of = np.zeros(n, np.int32)

@@ -14,12 +14,17 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.models import Policy, causal_mask, extend_cache, init_cache
+from jaxrl_hex.models.decoder import causal_mask, extend_cache, init_cache
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl import packing
 
 # [M, K, R, L] rows split over the batch axes; shared prompts [M, K, G, P] are replicated
-LAYOUT_AXES = {"row_group": (None, None, "batch"), "prompt_tokens": (None, None, None, "length"),
-               "prompt_positions": (None, None, None, "length"), "prompt_valid": (None, None, None, "length")}
+LAYOUT_AXES = {
+    "row_group": (None, None, "batch"),
+    "prompt_tokens": (None, None, None, "length"),
+    "prompt_positions": (None, None, None, "length"),
+    "prompt_valid": (None, None, None, "length")
+}
 ROW_AXES = (None, None, "batch", "length")
 
 
@@ -54,13 +59,13 @@ def shared_prompt_logits(policy, params, micro):
   p_valid = micro["prompt_valid"]
   g, p_len = p_valid.shape
   r, c_len = tokens.shape
-  prompt_logits, cache = policy.apply(params, micro["prompt_tokens"], micro["prompt_positions"],
-                                      causal_mask(p_valid), init_cache(policy.cfg, g, p_len), 0)
+  prompt_logits, cache = policy.apply(params, micro["prompt_tokens"], micro["prompt_positions"], causal_mask(p_valid),
+                                      init_cache(policy.cfg, g, p_len), 0)
   cache = extend_cache(cache, group, c_len - 1)
-  keys = jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1)                  # [R, P + C - 1]
+  keys = jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1)  # [R, P + C - 1]
   causal = jnp.arange(p_len + c_len - 1)[None, :] <= p_len + jnp.arange(c_len - 1)[:, None]
-  logits, _ = policy.apply(params, tokens[:, :-1], micro["positions"][:, :-1], causal[None] & keys[:, None, :],
-                           cache, p_len)
+  logits, _ = policy.apply(params, tokens[:, :-1], micro["positions"][:, :-1], causal[None] & keys[:, None, :], cache,
+                           p_len)
   return jnp.concatenate([prompt_logits[group, -1:], logits], axis=1)
 
 
@@ -105,9 +110,8 @@ def from_layout(x, slot):
 
 
 def make_optimizer(optim, total_steps: int):
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, optim.lr, min(optim.warmup_steps, max(total_steps - 1, 1)), max(total_steps, 2),
-      end_value=optim.lr * optim.end_lr_ratio)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, optim.lr, min(optim.warmup_steps, max(total_steps - 1, 1)),
+                                                max(total_steps, 2), end_value=optim.lr * optim.end_lr_ratio)
   return optax.chain(optax.clip_by_global_norm(optim.grad_clip),
                      optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
 
@@ -149,23 +153,23 @@ class Trainer:
     state_shardings = (self.param_shardings, sharding_of(self.opt_state), critic_shardings, critic_opt_shardings)
     models = (policy, self.critic)
     self._start = jax.jit(functools.partial(loss_fn.start, *models))
-    self._update = jax.jit(functools.partial(_update, loss_fn, models, self.tx, self.critic_tx),
-                           donate_argnums=(0, 1, 2, 3), static_argnames=("num_seqs",),
-                           out_shardings=(*state_shardings, None))
+    self._update = jax.jit(functools.partial(_update, loss_fn, models, self.tx,
+                                             self.critic_tx), donate_argnums=(0, 1, 2, 3),
+                           static_argnames=("num_seqs",), out_shardings=(*state_shardings, None))
     self._gradients = jax.jit(functools.partial(_accumulate, loss_fn, models), static_argnames=("num_seqs",))
 
   def _on_pool(self, tree):
     """Optimizer scalars (step counts) would land on a default device; keep them on this pool."""
     pool = self.pool
-    return jax.tree.map(lambda x: x if getattr(x.sharding, "mesh", None) == pool.mesh
-                        else jax.device_put(x, pool.replicated()), tree)
+    return jax.tree.map(
+        lambda x: x if getattr(x.sharding, "mesh", None) == pool.mesh else jax.device_put(x, pool.replicated()), tree)
 
   def plan(self, batch) -> packing.Layout:
     n = batch["tokens"].shape[0]
-    if n % self.pool.batch_divisor:
+    if n % self.pool.batch_ways:
       raise UserError(f"train batch of {n} sequences does not divide over pool '{self.pool.name}' "
-                      f"batch axes ({self.pool.batch_divisor} ways); make the batch a multiple of it")
-    return packing.plan(batch["tokens"], batch["valid"], batch["loss_mask"], shards=self.pool.batch_divisor,
+                      f"batch axes ({self.pool.batch_ways} ways); make the batch a multiple of it")
+    return packing.plan(batch["tokens"], batch["valid"], batch["loss_mask"], shards=self.pool.batch_ways,
                         group_ids=batch.get("group_ids"), **self.objective.layout_options)
 
   def _prepare(self, batch):
@@ -173,8 +177,10 @@ class Trainer:
     layout = self.plan(batch)
     put = lambda x, axes: jax.device_put(x, self.pool.sharding(axes))
     lay = {name: put(x, LAYOUT_AXES.get(name, ROW_AXES)) for name, x in layout.arrays.items()}
-    per_seq = {k: put(v, ("batch",) if v.ndim == 1 else ("batch", "length"))
-               for k, v in batch.items() if k not in ("tokens", "valid")}
+    per_seq = {
+        k: put(v, ("batch",) if v.ndim == 1 else ("batch", "length")) for k, v in batch.items()
+        if k not in ("tokens", "valid")
+    }
     data, metrics = self._start(self.params, self.ref_params, self.critic_params, lay, per_seq,
                                 put(layout.slot, ("batch", "length")), put(layout.minibatch_of, ("batch",)),
                                 jnp.int32(self.version))
@@ -202,8 +208,8 @@ class Trainer:
   def gradients(self, batch: dict):
     """(loss, policy grads) of the batch's first minibatch at the current params; no update."""
     layout, data, _ = self._prepare(batch)
-    loss, grads, _ = self._gradients(self.params, self.critic_params, data, jnp.int32(0),
-                                     jnp.int32(self.version), num_seqs=layout.slot.shape[0] + 1)
+    loss, grads, _ = self._gradients(self.params, self.critic_params, data, jnp.int32(0), jnp.int32(self.version),
+                                     num_seqs=layout.slot.shape[0] + 1)
     return loss, grads[0]
 
   def weights(self):
@@ -244,10 +250,10 @@ def _accumulate(objective, models, params, critic_params, data, m, version, num_
   return total
 
 
-def _update(objective, models, tx, critic_tx, params, opt_state, critic_params, critic_opt_state, data, m,
-            version, num_seqs):
-  loss, (grads, critic_grads), metrics = _accumulate(objective, models, params, critic_params, data, m,
-                                                     version, num_seqs)
+def _update(objective, models, tx, critic_tx, params, opt_state, critic_params, critic_opt_state, data, m, version,
+            num_seqs):
+  loss, (grads, critic_grads), metrics = _accumulate(objective, models, params, critic_params, data, m, version,
+                                                     num_seqs)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   if critic_tx is not None:

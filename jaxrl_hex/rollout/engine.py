@@ -26,30 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_hex.data.rollouts import Rollout, encode_prompts
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import local_device, to_host
-from jaxrl_hex.models import cache_shapes
+from jaxrl_hex.models.decoder import cache_shapes
 from jaxrl_hex.rollout import slots as S
 
 INTERRUPT_MODES = ("recompute", "finish")
-
-
-@dataclasses.dataclass
-class Rollout:
-  """One generated batch (numpy, host side). N rows = prompts x group_size."""
-  prompt_tokens: np.ndarray       # [N, P] int32, left-padded
-  prompt_valid: np.ndarray        # [N, P] bool
-  completion: np.ndarray          # [N, C] int32, pad after EOS
-  completion_mask: np.ndarray     # [N, C] bool, real completion tokens (EOS included)
-  behaviour_logprobs: np.ndarray  # [N, C] fp32
-  versions: np.ndarray            # [N, C] int32, policy version that produced each token
-  group_ids: np.ndarray           # [N] int64, one id per prompt
-  rewards: np.ndarray | None = None  # [N] fp32
-  truncated: np.ndarray | None = None  # [N] bool, stopped by the token budget
-
-  @property
-  def num_tokens(self) -> int:
-    return int(self.completion_mask.sum())
 
 
 @dataclasses.dataclass
@@ -58,7 +41,7 @@ class Request:
   prompt: typing.Any
   n: int = 1
   max_tokens: int | None = None  # None: the engine's max_new_tokens
-  stop: tuple = ()               # stop strings on top of the engine's
+  stop: tuple = ()  # stop strings on top of the engine's
   id: typing.Any = None
 
 
@@ -66,12 +49,12 @@ class Request:
 class Sample:
   """One finished completion."""
   request_id: typing.Any
-  index: int                     # which of the request's n samples
+  index: int  # which of the request's n samples
   prompt_tokens: list
-  tokens: np.ndarray             # [L] int32, through the EOS or the token that completed a stop string
-  logprobs: np.ndarray           # [L] fp32 behaviour logprobs
-  versions: np.ndarray           # [L] int32
-  finish_reason: str             # "eos" | "stop" | "length"
+  tokens: np.ndarray  # [L] int32, through the EOS or the token that completed a stop string
+  logprobs: np.ndarray  # [L] fp32 behaviour logprobs
+  versions: np.ndarray  # [L] int32
+  finish_reason: str  # "eos" | "stop" | "length"
   text: str = ""
 
   @property
@@ -88,11 +71,7 @@ class _Seq:  # a slot's sequence in flight
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
-  checked: int = 0                       # tokens already searched for stop strings
-
-
-def bucket(n: int, multiple: int = 8) -> int:
-  return -(-n // multiple) * multiple
+  checked: int = 0  # tokens already searched for stop strings
 
 
 def pow2_bucket(n: int, least: int = 1) -> int:
@@ -110,9 +89,9 @@ def engine_options(rollout_cfg) -> dict:
 class Engine:
   """Generates completions on one pool. Never imports the trainer: weights arrive by load_weights."""
 
-  def __init__(self, policy, pool, tokenizer, max_new_tokens: int, temperature=1.0, top_k=0, top_p=1.0,
-               min_p=0.0, *, slots=256, max_prompt_len=64, eos_ids=None, stop=(), interrupt="recompute",
-               steps_per_sync=16, memory_budget_gb=0.0, weights_source=None, cache_dtype=None):
+  def __init__(self, policy, pool, tokenizer, max_new_tokens: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *,
+               slots=256, max_prompt_len=64, eos_ids=None, stop=(), interrupt="recompute", steps_per_sync=16,
+               memory_budget_gb=0.0, weights_source=None, cache_dtype=None):
     self.policy, self.pool, self.tokenizer = policy, pool, tokenizer
     self.max_new_tokens, self.max_prompt_len = int(max_new_tokens), int(max_prompt_len)
     self.sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p))
@@ -123,9 +102,9 @@ class Engine:
     self.interrupt, self.steps_per_sync = interrupt, int(steps_per_sync)
     self.weights_source = weights_source
     self.num_slots = int(slots)
-    if self.num_slots < 1 or self.num_slots % pool.batch_divisor:
+    if self.num_slots < 1 or self.num_slots % pool.batch_ways:
       raise UserError(f"rollout.slots={slots} must be a positive multiple of pool '{pool.name}' batch axes "
-                      f"({pool.batch_divisor} ways)")
+                      f"({pool.batch_ways} ways)")
     # a sequence spans at most max_prompt_len - 1 cached prompt tokens + max_new_tokens ring columns
     self.length = self.max_prompt_len + self.max_new_tokens
     self.cache_dtype = jnp.dtype(cache_dtype or policy.cfg.dtype)
@@ -134,33 +113,38 @@ class Engine:
     self.memory = self._memory_plan(float(memory_budget_gb))
     self.version, self.params = -1, None
     self.compile_count, self.compile_seconds = 0, 0.0
-    self.decode_steps = 0                      # decode steps run (each over all slots)
+    self.decode_steps = 0  # decode steps run (each over all slots)
     self.rng = jax.random.key(0)
     self._fns = {}
     self._lock = threading.Lock()
-    self._busy = False                         # poll() is running (it alone touches the device state)
-    self._incoming = None                      # (version, params) waiting for a step boundary
+    self._busy = False  # poll() is running (it alone touches the device state)
+    self._incoming = None  # (version, params) waiting for a step boundary
     self._queue = collections.deque()
-    self._seqs = [None] * self.num_slots       # slot -> _Seq in flight
+    self._seqs = [None] * self.num_slots  # slot -> _Seq in flight
     self._live = np.zeros(self.num_slots, bool)
     self._finished = []
     self._state = None
-    self._t = 0                                # the ring column the next decode step writes (state["t"])
-    self.greedy = False                        # sample at temperature 0 (argmax)
+    self._t = 0  # the ring column the next decode step writes (state["t"])
+    self.greedy = False  # sample at temperature 0 (argmax)
     self._chunks = 0
 
   def _memory_plan(self, budget_gb: float) -> dict:
     """Per-device bytes of the KV cache and the weights; refuses a cache that does not fit."""
     cfg = self.policy.cfg
     shard_bytes = lambda sharding, shape, dtype: int(np.prod(sharding.shard_shape(shape))) * jnp.dtype(dtype).itemsize
-    cache = cfg.n_layers * sum(shard_bytes(sharding, shape, self.cache_dtype) for sharding, shape in
-                               zip(self._state_shardings["cache"][0], cache_shapes(cfg, self.num_slots, self.length)))
-    params = sum(shard_bytes(sh, x.shape, x.dtype) for sh, x in
-                 zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
-    budget = int(budget_gb * 2 ** 30) or int((local_device(self.pool).memory_stats() or {}).get("bytes_limit", 0))
-    plan = {"kv_cache_bytes": S.cache_bytes(cfg, self.num_slots, self.length, self.cache_dtype),
-            "kv_cache_bytes_per_device": cache, "params_bytes_per_device": params,
-            "budget_bytes_per_device": budget}
+    cache = cfg.n_layers * sum(
+        shard_bytes(sharding, shape, self.cache_dtype)
+        for sharding, shape in zip(self._state_shardings["cache"][0], cache_shapes(cfg, self.num_slots, self.length)))
+    params = sum(
+        shard_bytes(sh, x.shape, x.dtype)
+        for sh, x in zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
+    budget = int(budget_gb * 2**30) or int((local_device(self.pool).memory_stats() or {}).get("bytes_limit", 0))
+    plan = {
+        "kv_cache_bytes": S.cache_bytes(cfg, self.num_slots, self.length, self.cache_dtype),
+        "kv_cache_bytes_per_device": cache,
+        "params_bytes_per_device": params,
+        "budget_bytes_per_device": budget
+    }
     if budget and cache + params > budget:
       gib = lambda b: f"{b / 2 ** 30:.2f} GiB"
       raise UserError(
@@ -199,7 +183,8 @@ class Engine:
   def submit(self, requests):
     """Queues requests (FIFO). Their samples come back from poll() once finished."""
     for r in requests:
-      ids = list(r.prompt) if not isinstance(r.prompt, str) else [self.tokenizer.bos_id] + self.tokenizer.encode(r.prompt)
+      ids = list(
+          r.prompt) if not isinstance(r.prompt, str) else [self.tokenizer.bos_id] + self.tokenizer.encode(r.prompt)
       if not 1 <= len(ids) <= self.max_prompt_len:
         raise UserError(f"a prompt of {len(ids)} tokens does not fit rollout.max_prompt_len={self.max_prompt_len}; "
                         "raise it (the KV cache grows with it) or shorten the prompt")
@@ -254,7 +239,7 @@ class Engine:
     for i, ids in enumerate(prompts):
       tokens[i, :len(ids)], lengths[i] = ids, len(ids)
     m_b = pow2_bucket(len(taken))
-    slot_ids = np.full(m_b, self.num_slots, np.int32)   # padding -> dropped
+    slot_ids = np.full(m_b, self.num_slots, np.int32)  # padding -> dropped
     src, max_new = np.zeros(m_b, np.int32), np.ones(m_b, np.int32)
     row = -1
     for a, slot in enumerate(taken):
@@ -262,12 +247,13 @@ class Engine:
       row += seq.index == 0
       slot_ids[a], src[a], max_new[a] = slot, row, seq.max_tokens
     if self._state is None:
-      self._state = jax.jit(functools.partial(S.init_state, self.policy.cfg, self.num_slots, self.length,
-                                              self.cache_dtype), out_shardings=self._state_shardings)()
+      self._state = jax.jit(
+          functools.partial(S.init_state, self.policy.cfg, self.num_slots, self.length, self.cache_dtype),
+          out_shardings=self._state_shardings)()
     if not self._live.any():  # rewind the ring: prompts end at column max_prompt_len - 1, so decode
       self._t = self.max_prompt_len - 1  # reads only the columns written so far until the ring wraps
-    self._state = self._run(("prefill", n_b, p_b, m_b), functools.partial(S.prefill, self.policy),
-                            self.params, self._state, tokens, lengths, slot_ids, src, max_new, np.int32(self._t))
+    self._state = self._run(("prefill", n_b, p_b, m_b), functools.partial(S.prefill, self.policy), self.params,
+                            self._state, tokens, lengths, slot_ids, src, max_new, np.int32(self._t))
     self._live[taken] = True
 
   def _decode(self, stop_on_finish: bool):
@@ -277,9 +263,9 @@ class Engine:
                            logits_sharding=self.pool.sharding(("batch", None)))
     rng = jax.random.fold_in(self.rng, self._chunks)
     self._chunks += 1
-    self._state, live, tokens, logprobs, emitted, steps = self._run(
-        ("decode", self.greedy, span), fn, self.params, self._state, self._live, rng, np.bool_(stop_on_finish),
-        extra_outputs=5)
+    self._state, live, tokens, logprobs, emitted, steps = self._run(("decode", self.greedy, span), fn, self.params,
+                                                                    self._state, self._live, rng,
+                                                                    np.bool_(stop_on_finish), extra_outputs=5)
     live, tokens, logprobs, emitted, steps = to_host((live, tokens, logprobs, emitted, steps))
     self.decode_steps += int(steps)
     self._t += int(steps)
@@ -322,20 +308,14 @@ class Engine:
     self._seqs[slot] = None
     self._live[slot] = False
     tokens = np.asarray(seq.tokens, np.int32)
-    self._finished.append(Sample(seq.request.id, seq.index, seq.prompt_tokens, tokens,
-                                 np.asarray(seq.logprobs, np.float32), np.asarray(seq.versions, np.int32),
-                                 reason, self.tokenizer.decode(tokens)))
+    self._finished.append(
+        Sample(seq.request.id, seq.index, seq.prompt_tokens, tokens, np.asarray(seq.logprobs, np.float32),
+               np.asarray(seq.versions, np.int32), reason, self.tokenizer.decode(tokens)))
 
   # ---- the batch interface the orchestrator uses ------------------------------------------------
   def encode_prompts(self, prompts: list[str], group_size: int):
     """Strings -> left-padded [len(prompts) * group_size, P] tokens and validity (the trainer's layout)."""
-    ids = [[self.tokenizer.bos_id] + self.tokenizer.encode(p) for p in prompts]
-    p_len = bucket(max(map(len, ids)))
-    tokens = np.full((len(ids), p_len), self.tokenizer.pad_id, np.int32)
-    valid = np.zeros((len(ids), p_len), bool)
-    for i, row in enumerate(ids):
-      tokens[i, p_len - len(row):] = row
-      valid[i, p_len - len(row):] = True
+    ids, tokens, valid = encode_prompts(self.tokenizer, prompts)
     return np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), ids
 
   def generate(self, prompts: list[str], group_size: int, rng, greedy=False, group_ids=None) -> Rollout:
@@ -363,8 +343,8 @@ class Engine:
       truncated[row] = s.truncated
     if group_ids is None:
       group_ids = np.arange(len(prompts))
-    return Rollout(tokens, valid, completion, mask, logprobs, versions,
-                   np.repeat(np.asarray(group_ids), group_size), truncated=truncated)
+    return Rollout(tokens, valid, completion, mask, logprobs, versions, np.repeat(np.asarray(group_ids), group_size),
+                   truncated=truncated)
 
   def decode(self, rollout: Rollout) -> list[str]:
     return [self.tokenizer.decode(row[m]) for row, m in zip(rollout.completion, rollout.completion_mask)]

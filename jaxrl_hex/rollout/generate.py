@@ -46,8 +46,9 @@ def _read_prompts(path, samples):
         continue
       try:
         row = json.loads(line)
-        requests.append(Request(row["prompt"], n=int(row.get("n", samples)), max_tokens=row.get("max_tokens"),
-                                stop=tuple(row.get("stop", ())), id=row.get("id", i)))
+        requests.append(
+            Request(row["prompt"], n=int(row.get("n", samples)), max_tokens=row.get("max_tokens"),
+                    stop=tuple(row.get("stop", ())), id=row.get("id", i)))
       except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"--prompts: line {i + 1} of {path} is not {{\"prompt\": str, ...}} JSON ({e})") from None
   return requests
@@ -88,17 +89,17 @@ def generate(args) -> dict:
   requests = _read_prompts(args.prompts, args.samples)
   rt = build_runtime(cfg)
   pool, r = rt.pools["rollout"], cfg.rollout
-  engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
-                  **engine_options(r))
-  like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      rt.policy.shapes(), engine.param_shardings)
+  engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **engine_options(r))
+  like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), rt.policy.shapes(),
+                      engine.param_shardings)
   restored, meta = Checkpointer(os.path.join(args.workdir, "checkpoints")).restore({"params": like}, args.step)
   engine.load_weights(int(meta.get("policy_version", 0)), restored["params"])
   engine.rng = jax.random.key(args.seed)
   engine.greedy = args.greedy
   prompts = {r.id: r.prompt for r in requests}
   total = sum(r.n for r in requests)
-  progress = Progress("generate", total, max(total // 20, 1), stream=sys.stderr, unit="sample")  # stdout: the summary JSON
+  progress = Progress("generate", total, max(total // 20, 1), stream=sys.stderr,
+                      unit="sample")  # stdout: the summary JSON
   t0 = time.perf_counter()
   engine.submit(requests)
   n_samples = new_tokens = 0
@@ -108,19 +109,36 @@ def generate(args) -> dict:
       for s in engine.poll():
         n_samples += 1
         new_tokens += len(s.tokens)
-        out.write(json.dumps({"id": s.request_id, "sample": s.index, "prompt": prompts[s.request_id],
-                              "completion": s.text, "finish_reason": s.finish_reason, "truncated": s.truncated,
-                              "tokens": s.tokens.tolist(), "logprobs": [round(x, 6) for x in s.logprobs.tolist()],
-                              "version": int(s.versions[0]) if len(s.versions) else engine.version}) + "\n")
+        out.write(
+            json.dumps({
+                "id": s.request_id,
+                "sample": s.index,
+                "prompt": prompts[s.request_id],
+                "completion": s.text,
+                "finish_reason": s.finish_reason,
+                "truncated": s.truncated,
+                "tokens": s.tokens.tolist(),
+                "logprobs": [round(x, 6) for x in s.logprobs.tolist()],
+                "version": int(s.versions[0]) if len(s.versions) else engine.version
+            }) + "\n")
   seconds = time.perf_counter() - t0
   progress.update(n_samples, {"rollout_tokens_per_s": new_tokens / max(seconds, 1e-9)})
   progress.close()
   run_s = max(seconds - engine.compile_seconds, 1e-9)
-  return {"requests": len(requests), "samples": n_samples, "new_tokens": new_tokens, "seconds": round(seconds, 3),
-          "compile_count": engine.compile_count, "compile_s": round(engine.compile_seconds, 3),
-          "new_tokens_per_s": round(new_tokens / run_s, 1), "decode_steps": engine.decode_steps,
-          "slot_utilization": round(new_tokens / max(engine.decode_steps * engine.num_slots, 1), 3),
-          "slots": engine.num_slots, "policy_version": engine.version, **engine.memory, "out": args.out}
+  return {
+      "requests": len(requests),
+      "samples": n_samples,
+      "new_tokens": new_tokens,
+      "seconds": round(seconds, 3),
+      "compile_count": engine.compile_count,
+      "compile_s": round(engine.compile_seconds, 3),
+      "new_tokens_per_s": round(new_tokens / run_s, 1),
+      "decode_steps": engine.decode_steps,
+      "slot_utilization": round(new_tokens / max(engine.decode_steps * engine.num_slots, 1), 3),
+      "slots": engine.num_slots,
+      "policy_version": engine.version,
+      **engine.memory, "out": args.out
+  }
 
 
 def main(argv) -> int:

@@ -20,7 +20,7 @@ logits, and the first decode step of a slot samples its first completion token.
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.models import CACHE_AXES, CACHE_LENGTH_AXES, cache_shapes, causal_mask, init_cache, rope_tables
+from jaxrl_hex.models.decoder import CACHE_AXES, CACHE_LENGTH_AXES, cache_shapes, causal_mask, init_cache, rope_tables
 from jaxrl_hex.rollout.sampling import sample
 
 STATE_AXES = {  # logical axes of each state field (the cache's: models.CACHE_AXES)
@@ -32,15 +32,22 @@ RING_FIELDS = tuple(k for k, axes in STATE_AXES.items() if "length" in axes)  # 
 
 def init_state(cfg, slots: int, length: int, cache_dtype):
   zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
-  return {"cache": init_cache(cfg, slots, length, cache_dtype),
-          "valid": zeros(slots, length, dt=bool), "col_tok": zeros(slots, length),
-          "col_pos": zeros(slots, length), "pending": zeros(slots), "pos": zeros(slots),
-          "count": zeros(slots), "max_new": zeros(slots), "t": jnp.int32(0)}
+  return {
+      "cache": init_cache(cfg, slots, length, cache_dtype),
+      "valid": zeros(slots, length, dt=bool),
+      "col_tok": zeros(slots, length),
+      "col_pos": zeros(slots, length),
+      "pending": zeros(slots),
+      "pos": zeros(slots),
+      "count": zeros(slots),
+      "max_new": zeros(slots),
+      "t": jnp.int32(0)
+  }
 
 
 def state_shardings(pool, cfg, slots: int, length: int):
-  layer = tuple(pool.sharding(axes, shape, "KV cache")
-                for axes, shape in zip(CACHE_AXES, cache_shapes(cfg, slots, length)))
+  layer = tuple(
+      pool.sharding(axes, shape, "KV cache") for axes, shape in zip(CACHE_AXES, cache_shapes(cfg, slots, length)))
   out = {k: pool.sharding(ax) for k, ax in STATE_AXES.items()}
   out["cache"] = [layer] * cfg.n_layers
   return out
@@ -64,9 +71,9 @@ def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new, t):
   slot_src = jnp.full((slots,), -1, jnp.int32).at[slot_ids].set(src, mode="drop")  # [S] prompt row or -1
   filled = slot_src >= 0
   row = jnp.maximum(slot_src, 0)
-  cached_len = lengths[row] - 1                                           # prompt[:-1] goes in the cache
+  cached_len = lengths[row] - 1  # prompt[:-1] goes in the cache
   # ring column c of slot s holds prompt token k = c - (t - cached_len) (mod T)
-  k = (jnp.arange(length)[None] - (state["t"] - cached_len[:, None])) % length   # [S, T]
+  k = (jnp.arange(length)[None] - (state["t"] - cached_len[:, None])) % length  # [S, T]
   in_prompt = filled[:, None] & (k < cached_len[:, None])
   k = jnp.minimum(k, p_len - 1)
 
@@ -78,8 +85,10 @@ def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new, t):
   def per_slot(dest, values):
     return jnp.where(filled, values, dest)
 
-  cache = [tuple(put(c, p, axis) for c, p, axis in zip(dest, prompt, CACHE_LENGTH_AXES))
-           for dest, prompt in zip(state["cache"], kv)]
+  cache = [
+      tuple(put(c, p, axis) for c, p, axis in zip(dest, prompt, CACHE_LENGTH_AXES))
+      for dest, prompt in zip(state["cache"], kv)
+  ]
   budget = jnp.zeros((slots,), jnp.int32).at[slot_ids].set(max_new, mode="drop")
   return dict(state, cache=cache, valid=jnp.where(filled[:, None], in_prompt, state["valid"]),
               col_tok=put(state["col_tok"], tokens), col_pos=put(state["col_pos"], jnp.broadcast_to(j, (n, p_len))),
@@ -87,8 +96,7 @@ def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new, t):
               count=per_slot(state["count"], 0), max_new=per_slot(state["max_new"], budget))
 
 
-def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng, stop_on_finish,
-           logits_sharding=None):
+def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng, stop_on_finish, logits_sharding=None):
   """Up to max_steps decode steps over all slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
 
@@ -114,29 +122,28 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng,
     valid = st["valid"].at[:, col].set(True)
     col_pos = st["col_pos"].at[:, col].set(st["pos"])
     # key_positions: ring columns are not positions (sliding-window layers need the real distance)
-    logits, cache = policy.apply(params, st["pending"][:, None], st["pos"][:, None], valid[:, None, :],
-                                 st["cache"], col, key_positions=col_pos, rope_tables=tables)
+    logits, cache = policy.apply(params, st["pending"][:, None], st["pos"][:, None], valid[:, None, :], st["cache"],
+                                 col, key_positions=col_pos, rope_tables=tables)
     logits = logits[:, -1] if logits_sharding is None else jax.lax.with_sharding_constraint(
         logits[:, -1], logits_sharding)
     token, logprob = sample(logits, step_rng, **sampling)
     count = st["count"] + live
     finished = live & (jnp.isin(token, eos) | (count >= st["max_new"]))
-    st = dict(st, cache=cache, valid=valid, col_tok=st["col_tok"].at[:, col].set(st["pending"]),
-              col_pos=col_pos, pending=token, pos=st["pos"] + 1,
-              count=count, t=st["t"] + 1)
+    st = dict(st, cache=cache, valid=valid, col_tok=st["col_tok"].at[:, col].set(st["pending"]), col_pos=col_pos,
+              pending=token, pos=st["pos"] + 1, count=count, t=st["t"] + 1)
     live_next = live & ~finished
     # (any live, any finished) in one reduction: one collective per step over the batch axes
     flags = jnp.any(jnp.stack([live_next, finished]), axis=1)
-    return (i + 1, st, live_next, out_tok.at[i].set(token), out_lp.at[i].set(logprob),
-            out_em.at[i].set(live), flags, rng)
+    return (i + 1, st, live_next, out_tok.at[i].set(token), out_lp.at[i].set(logprob), out_em.at[i].set(live), flags,
+            rng)
 
   def cond(carry):
     i, _, _, _, _, _, (any_live, any_finished), _ = carry
     return (i < max_steps) & any_live & ~(any_finished & stop_on_finish)
 
-  init = (jnp.int32(0), state, live, jnp.zeros((max_steps, slots), jnp.int32),
-          jnp.zeros((max_steps, slots), jnp.float32), jnp.zeros((max_steps, slots), bool),
-          jnp.stack([jnp.any(live), jnp.bool_(False)]), rng)
+  init = (jnp.int32(0), state, live, jnp.zeros((max_steps, slots), jnp.int32), jnp.zeros(
+      (max_steps, slots), jnp.float32), jnp.zeros((max_steps, slots),
+                                                  bool), jnp.stack([jnp.any(live), jnp.bool_(False)]), rng)
   steps, state, live, tokens, logprobs, emitted, _, _ = jax.lax.while_loop(cond, body, init)
   if narrowed:
     state = _widen(state, full)
@@ -153,9 +160,9 @@ def _narrow(state, span):
 def _widen(narrow, full):
   """narrow's ring columns written over full's first ones."""
   put = lambda dest, x, axis: jax.lax.dynamic_update_slice_in_dim(dest, x, 0, axis)
-  return dict(narrow, **{k: put(full[k], narrow[k], 1) for k in RING_FIELDS},
-              cache=[tuple(map(put, dest, layer, CACHE_LENGTH_AXES))
-                     for dest, layer in zip(full["cache"], narrow["cache"])])
+  return dict(
+      narrow, **{k: put(full[k], narrow[k], 1) for k in RING_FIELDS},
+      cache=[tuple(map(put, dest, layer, CACHE_LENGTH_AXES)) for dest, layer in zip(full["cache"], narrow["cache"])])
 
 
 def recompute(policy, params, state):

@@ -4,12 +4,11 @@ A user task is a Python file with `make_task(config) -> Task`, named on the comm
 `--config.task=path/to/file.py:make_task`; built-in tasks are registered by name below.
 """
 import dataclasses
-import importlib.util
-import os
 import typing
 
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.models.tokenizer import CharTokenizer
+from jaxrl_hex.specs import load_object
 
 
 class TaskError(UserError):
@@ -51,22 +50,7 @@ def load_task(spec: str, config) -> Task:
   spec = BUILTIN.get(spec, spec)
   if ":" not in spec:
     raise TaskError(f"task: {spec!r} is neither a built-in task {sorted(BUILTIN)} nor 'path/to/file.py:make_task'")
-  where, fn_name = spec.rsplit(":", 1)
-  if where.endswith(".py"):
-    if not os.path.exists(where):
-      raise TaskError(f"task: file {where!r} does not exist; pass --config.task=path/to/file.py:make_task")
-    mod_spec = importlib.util.spec_from_file_location(f"user_task_{abs(hash(where))}", where)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-  else:
-    try:
-      module = importlib.import_module(where)
-    except ModuleNotFoundError as e:
-      raise TaskError(f"task: cannot import {where!r} ({e}); pass a built-in name or path/to/file.py:make_task") from None
-  fn = getattr(module, fn_name, None)
-  if fn is None:
-    raise TaskError(f"task: {where!r} has no function {fn_name!r}; define make_task(config) -> jaxrl_hex.tasks.Task there")
-  task = fn(config)
+  task = load_object(spec, "task")(config)
   if not isinstance(task, Task):
     raise TaskError(f"task: {spec} returned {type(task).__name__}, not jaxrl_hex.tasks.Task")
   return task

@@ -35,7 +35,7 @@ class RewardScorer:
       raise RewardError(f"task {self.task.name!r}: the reward function failed on every sample of a batch; "
                         f"first failure: {failures[0]}")
     if failures and not self._warned:
-      logging.warning("task %r: reward failed on %d/%d samples (scored 0): %s",
-                      self.task.name, len(failures), len(futures), failures[0])
+      logging.warning("task %r: reward failed on %d/%d samples (scored 0): %s", self.task.name, len(failures),
+                      len(futures), failures[0])
       self._warned = True
     return rewards

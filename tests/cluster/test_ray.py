@@ -10,6 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from support import ROOT, SMALL, load_config
 
 from jaxrl_hex import cli
 from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide
@@ -19,7 +20,6 @@ from jaxrl_hex.metrics import read_jsonl
 from jaxrl_hex.rl.batch import rl_batch
 from jaxrl_hex.runtime import build_runtime
 from jaxrl_hex.sync import make_sync
-from support import ROOT, SMALL, load_config
 
 RAY_MESH = os.path.join(ROOT, "meshes", "cpu-ray.yaml")
 
@@ -32,13 +32,18 @@ class _Quiet:
 
 
 def _ray_cfg(warm_workdir, **extra):
-  return load_config(**SMALL, **{"init_from": warm_workdir, "mesh_file": RAY_MESH, "cluster.backend": "ray",
-                                 "sync.method": "orbax", **extra})
+  return load_config(
+      **SMALL, **{
+          "init_from": warm_workdir,
+          "mesh_file": RAY_MESH,
+          "cluster.backend": "ray",
+          "sync.method": "orbax",
+          **extra
+      })
 
 
 @pytest.mark.parametrize("method", ["orbax", "direct"])
-def test_two_process_trainer_matches_one_process_and_sync_preserves_values(
-    ray_session, warm_workdir, tmp_path, method):
+def test_two_process_trainer_matches_one_process_and_sync_preserves_values(ray_session, warm_workdir, tmp_path, method):
   cfg = _ray_cfg(warm_workdir, **{"sync.method": method})
   rt = build_runtime(cfg)
   train = RayTrainSide(rt, str(tmp_path / "ray"), resume=False)
@@ -78,7 +83,7 @@ def test_two_process_trainer_matches_one_process_and_sync_preserves_values(
     newer = train.publish()
     many = [dict(r, index=i) for i, r in enumerate(rt.task.train[:256])]
     pending = worker.generate.remote(many, 8, 0, 1, handle)  # started on version 1
-    ray.get(worker.offer.remote(newer), timeout=60)           # served beside the running generate
+    ray.get(worker.offer.remote(newer), timeout=60)  # served beside the running generate
     assert not ray.wait([pending], timeout=0)[0], "generation ended before the offer: make it longer"
     out, _ = ray.get(pending)
     versions = set(out.versions[out.completion_mask].tolist())
@@ -98,15 +103,15 @@ def test_bad_cluster_input_fails_before_work(ray_session, warm_workdir, tmp_path
   assert "pools.train spans 3 hosts but the Ray cluster has 1 node" in capsys.readouterr().err
   blocker = tmp_path / "blocker"
   blocker.write_text("")
-  assert cli.main(base + [f"--workdir={tmp_path}/b", f"--config.mesh_file={RAY_MESH}",
-                          f"--config.sync.directory={blocker}/sync"]) == 2
+  assert cli.main(
+      base +
+      [f"--workdir={tmp_path}/b", f"--config.mesh_file={RAY_MESH}", f"--config.sync.directory={blocker}/sync"]) == 2
   assert "sync.directory: cannot write" in capsys.readouterr().err
 
 
 def test_hung_rollout_workers_are_replaced_then_the_run_gives_up(ray_session, warm_workdir, tmp_path):
   from jaxrl_hex import commands
-  cfg = _ray_cfg(warm_workdir, **{"cluster.worker_timeout_s": 0.01, "cluster.max_restarts": 1,
-                                  "train.steps": 2})
+  cfg = _ray_cfg(warm_workdir, **{"cluster.worker_timeout_s": 0.01, "cluster.max_restarts": 1, "train.steps": 2})
   with pytest.raises(RuntimeError, match=r"lost 2 times \(cluster.max_restarts=1\)"):
     commands.train(cfg, str(tmp_path / "run"))
 
@@ -114,12 +119,14 @@ def test_hung_rollout_workers_are_replaced_then_the_run_gives_up(ray_session, wa
 def test_killed_rollout_process_is_replaced_and_no_prompt_is_lost_or_repeated(warm_workdir, tmp_path):
   workdir = tmp_path / "run"
   steps = 12
-  cmd = [sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
-         f"--config.mesh_file={RAY_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
-         f"--config.train.steps={steps}", "--config.train.eval_every=100",
-         *[f"--config.{k}={v}" for k, v in SMALL.items()]]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, JAXRL_HEX_QUIET="1"),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  cmd = [
+      sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
+      f"--config.mesh_file={RAY_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
+      f"--config.train.steps={steps}", "--config.train.eval_every=100",
+      *[f"--config.{k}={v}" for k, v in SMALL.items()]
+  ]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, JAXRL_HEX_QUIET="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
   metrics = workdir / "metrics.jsonl"
   killed = None
   deadline = time.time() + 600
@@ -150,10 +157,12 @@ def test_killed_trainer_stops_the_run_and_resume_finishes_it_exactly(warm_workdi
   run holds exactly the prompts an undisturbed stream hands out."""
   workdir = tmp_path / "run"
   steps = 10
-  cmd = [sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
-         f"--config.mesh_file={RAY_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
-         f"--config.train.steps={steps}", "--config.train.eval_every=100", "--config.train.checkpoint_every=2",
-         *[f"--config.{k}={v}" for k, v in SMALL.items()]]
+  cmd = [
+      sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
+      f"--config.mesh_file={RAY_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
+      f"--config.train.steps={steps}", "--config.train.eval_every=100", "--config.train.checkpoint_every=2",
+      *[f"--config.{k}={v}" for k, v in SMALL.items()]
+  ]
   env = dict(os.environ, JAXRL_HEX_QUIET="1")
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   metrics = workdir / "metrics.jsonl"

@@ -15,4 +15,5 @@ def tiny_hf(tmp_path_factory):
       ids = np.random.default_rng(0).integers(3, SHAPE["vocab_size"], (2, 12))
       made[family] = (path, model, ids, torch_logits(model, ids), torch_greedy(model, ids, 32))
     return made[family]
+
   return get

@@ -3,11 +3,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_hex.models import Policy, causal_mask, init_cache
+from jaxrl_hex.models.decoder import causal_mask, init_cache
+
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config, param_count
 
-CFG = model_config(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   mlp_dim=64, tie_embeddings=False, qkv_bias=True)
+CFG = model_config(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
+                   tie_embeddings=False, qkv_bias=True)
 
 
 def test_param_count_matches_built_model():
@@ -54,7 +56,7 @@ def test_sharded_params_follow_logical_axes(pools):
   policy = Policy.build(CFG)
   train = pools["train"].shardings_for(policy.logical_axes(), policy.shapes())
   rollout = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
-  wq_train = train["layers"][0]["attn"]["wq"].spec   # (embed, heads, head_dim)
+  wq_train = train["layers"][0]["attn"]["wq"].spec  # (embed, heads, head_dim)
   wq_rollout = rollout["layers"][0]["attn"]["wq"].spec
   assert tuple(wq_train) == ("fsdp", "tensor", None)
   assert tuple(wq_rollout) == (None, "tensor", None)
@@ -65,10 +67,12 @@ def test_sharded_params_follow_logical_axes(pools):
 
 GEMMA_LIKE = model_config(vocab_size=32, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
                           tie_embeddings=True, qk_norm=True, norm_style="gemma", post_norms=True,
-                          mlp_activation="gelu_tanh", embed_scale=32 ** 0.5, query_pre_attn_scalar=12.0,
+                          mlp_activation="gelu_tanh", embed_scale=32**0.5, query_pre_attn_scalar=12.0,
                           attn_logit_softcap=5.0, final_logit_softcap=3.0, sliding_window=4,
-                          layer_types=("sliding", "sliding", "full"), rope_local_theta=100.0,
-                          rope_scaling={"rope_type": "linear", "factor": 2.0})
+                          layer_types=("sliding", "sliding", "full"), rope_local_theta=100.0, rope_scaling={
+                              "rope_type": "linear",
+                              "factor": 2.0
+                          })
 
 
 def test_param_count_covers_every_family_feature():
@@ -92,13 +96,12 @@ def test_sliding_window_decode_through_a_ring_cache_equals_full_recompute():
   for t in range(n):
     slot_of = (start + jnp.arange(t + 1)) % n
     valid = jnp.zeros((2, n), bool).at[:, slot_of].set(True)
-    logits, cache = apply(params, tokens[:, t:t + 1], positions[:, t:t + 1], valid[:, None, :], cache,
-                          (start + t) % n)
+    logits, cache = apply(params, tokens[:, t:t + 1], positions[:, t:t + 1], valid[:, None, :], cache, (start + t) % n)
     steps.append(logits)
   np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=1e-5, rtol=0)
   key_positions = jnp.broadcast_to((jnp.arange(n) - start) % n, (2, n))  # the same, told explicitly
-  last, _ = apply(params, tokens[:, -1:], positions[:, -1:], jnp.ones((2, 1, n), bool), cache,
-                  (start + n - 1) % n, key_positions)
+  last, _ = apply(params, tokens[:, -1:], positions[:, -1:], jnp.ones((2, 1, n), bool), cache, (start + n - 1) % n,
+                  key_positions)
   np.testing.assert_allclose(last, full[:, -1:], atol=1e-5, rtol=0)
 
 
@@ -115,8 +118,14 @@ def test_sliding_window_changes_what_long_sequences_see():
 @pytest.mark.parametrize("field, value, message", [
     ("norm_style", "layer", "norm_style='layer'; use one of"),
     ("layer_types", ("full",), "layer_types=.* once per layer"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_scaling.rope_type='yarn'; supported"),
-    ("rope_scaling", {"rope_type": "llama3", "factor": 2.0}, r"lacks \['low_freq_factor'"),
+    ("rope_scaling", {
+        "rope_type": "yarn",
+        "factor": 2.0
+    }, "rope_scaling.rope_type='yarn'; supported"),
+    ("rope_scaling", {
+        "rope_type": "llama3",
+        "factor": 2.0
+    }, r"lacks \['low_freq_factor'"),
 ])
 def test_model_config_refuses_what_the_decoder_cannot_do(field, value, message):
   with pytest.raises(ValueError, match=message):

@@ -15,17 +15,19 @@ from jaxrl_hex.tasks.gsm8k import extract_answer, math_reward, normalize, read_j
 SAMPLE = os.path.join(ROOT, "tests", "models", "data", "gsm8k_sample.jsonl")
 
 
-@pytest.mark.parametrize("completion, answer, reward", [
-    ("So the total is \\boxed{72}.", "72", 1.0),
-    ("3 + 4 = 7, then \\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("It costs \\boxed{\\$1,000.00}", "1000", 1.0),
-    ("The answer is 25%.", "25", 1.0),
-    ("First 12, then 30.\n#### 42", "42", 1.0),
-    ("\\boxed{42} was wrong, the answer is \\boxed{41}", "42", 0.0),  # the last box counts
-    ("I think 7 or maybe 8", "7", 0.0),                                # the last number counts
-    ("no number here", "3", 0.0),
-    ("\\boxed{x+1}", "x + 1", 1.0),                                    # non-numeric: compared as text
-])
+@pytest.mark.parametrize(
+    "completion, answer, reward",
+    [
+        ("So the total is \\boxed{72}.", "72", 1.0),
+        ("3 + 4 = 7, then \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("It costs \\boxed{\\$1,000.00}", "1000", 1.0),
+        ("The answer is 25%.", "25", 1.0),
+        ("First 12, then 30.\n#### 42", "42", 1.0),
+        ("\\boxed{42} was wrong, the answer is \\boxed{41}", "42", 0.0),  # the last box counts
+        ("I think 7 or maybe 8", "7", 0.0),  # the last number counts
+        ("no number here", "3", 0.0),
+        ("\\boxed{x+1}", "x + 1", 1.0),  # non-numeric: compared as text
+    ])
 def test_math_reward(completion, answer, reward):
   assert math_reward("", completion, answer) == reward
 
@@ -55,8 +57,11 @@ def test_recipe_takes_architecture_tokenizer_and_prompts_from_the_model_dir(tmp_
   from jaxrl_hex.models.hf import hf_model_config
   from jaxrl_hex.runtime import build_runtime
   _model_dir(str(tmp_path))
-  cfg = load_config("configs/gsm8k_grpo.py", **{"model_dir": str(tmp_path), "task_args.train_file": SAMPLE,
-                                                "task_args.eval_size": 4})
+  cfg = load_config("configs/gsm8k_grpo.py", **{
+      "model_dir": str(tmp_path),
+      "task_args.train_file": SAMPLE,
+      "task_args.eval_size": 4
+  })
   rt = build_runtime(cfg)
   want = hf_model_config(str(tmp_path), dtype="bfloat16", param_dtype="float32")
   assert rt.policy.cfg == want and rt.policy.cfg.qkv_bias
@@ -87,11 +92,24 @@ def test_recipe_converts_trains_and_exports(tmp_path):
   original = _model_dir(model_dir)
   assert cli.main(["convert", "--from-hf", model_dir, "--out", init]) == 0
 
-  cfg = load_config("configs/gsm8k_grpo.py", **{
-      "model_dir": model_dir, "init_from": init, "task_args.train_file": SAMPLE, "task_args.eval_size": 4,
-      "model.dtype": "float32", "rollout.prompts_per_step": 4, "rollout.group_size": 2,
-      "rollout.max_new_tokens": 8, "rollout.max_prompt_len": 192, "train.steps": 2, "train.eval_every": 2,
-      "train.eval_size": 4, "train.checkpoint_every": 2, "train.log_every": 1, "optim.lr": 1e-3})
+  cfg = load_config(
+      "configs/gsm8k_grpo.py", **{
+          "model_dir": model_dir,
+          "init_from": init,
+          "task_args.train_file": SAMPLE,
+          "task_args.eval_size": 4,
+          "model.dtype": "float32",
+          "rollout.prompts_per_step": 4,
+          "rollout.group_size": 2,
+          "rollout.max_new_tokens": 8,
+          "rollout.max_prompt_len": 192,
+          "train.steps": 2,
+          "train.eval_every": 2,
+          "train.eval_size": 4,
+          "train.checkpoint_every": 2,
+          "train.log_every": 1,
+          "optim.lr": 1e-3
+      })
   from jaxrl_hex import commands
   summary = commands.train(cfg, run)
   rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
@@ -103,7 +121,7 @@ def test_recipe_converts_trains_and_exports(tmp_path):
   assert os.path.isfile(os.path.join(out, "tokenizer.json"))
   exported = transformers.AutoModelForCausalLM.from_pretrained(out)
   ids = np.arange(3, 19)[None]
-  from jaxrl_hex.models import from_hf
+  from jaxrl_hex.models.hf import from_hf
   np.testing.assert_allclose(torch_logits(exported, ids), np.asarray(from_hf(out)(ids)), atol=1e-4, rtol=0)
   # a random model earns no reward, so GRPO's advantages are 0 and the weights stay the checkpoint's:
   # what went in through convert and init_from is what came out

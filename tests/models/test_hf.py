@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from hf_support import FAMILIES, save_tiny, torch_logits
 
-from jaxrl_hex.models import Policy, from_hf, to_hf
+from jaxrl_hex.models.hf import from_hf, to_hf
+
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config, param_count
 from jaxrl_hex.models.families import HFModelError
 from jaxrl_hex.models.hf import hf_model_config, load_params, save_hf, tensor_layouts
@@ -143,8 +145,9 @@ def test_wrong_tensor_shape_names_the_file_and_the_tensor(sharded_copy):
   config = json.load(open(os.path.join(sharded_copy, "config.json")))
   config["intermediate_size"] = 48
   json.dump(config, open(os.path.join(sharded_copy, "config.json"), "w"))
-  with pytest.raises(HFModelError, match=r"model-\d+-of-\d+.safetensors: tensor 'model.layers.0.mlp.\w+_proj.weight' "
-                                         r"has shape \[\d+, \d+\] but config.json implies"):
+  with pytest.raises(
+      HFModelError, match=r"model-\d+-of-\d+.safetensors: tensor 'model.layers.0.mlp.\w+_proj.weight' "
+      r"has shape \[\d+, \d+\] but config.json implies"):
     from_hf(sharded_copy)
 
 
@@ -159,12 +162,23 @@ def test_unexpected_tensor_is_refused(tiny_hf, tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     r"config.json: rope_parameters.rope_type='yarn' is not supported; supported: \['default', 'linear', 'llama3'\]"),
-    ({"mlp_bias": True}, "config.json: mlp_bias=True is set; the Llama 3.x decoder here cannot honour it"),
-    ({"hidden_act": "relu2"}, "config.json: hidden_act='relu2' is not supported"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
-     r"model_type 'mistral' \(MistralForCausalLM\) is not supported; supported: llama \(Llama 3.x\), qwen2"),
+    ({
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 1e4
+        }
+    }, r"config.json: rope_parameters.rope_type='yarn' is not supported; supported: \['default', 'linear', 'llama3'\]"),
+    ({
+        "mlp_bias": True
+    }, "config.json: mlp_bias=True is set; the Llama 3.x decoder here cannot honour it"),
+    ({
+        "hidden_act": "relu2"
+    }, "config.json: hidden_act='relu2' is not supported"),
+    ({
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"]
+    }, r"model_type 'mistral' \(MistralForCausalLM\) is not supported; supported: llama \(Llama 3.x\), qwen2"),
 ])
 def test_config_fields_we_cannot_honour_are_refused_by_name(edit, message, tiny_hf, tmp_path):
   path = str(tmp_path / "m")
@@ -181,8 +195,10 @@ def test_transformers_4_config_spelling_reads_the_same(tiny_hf, tmp_path):
   config = json.load(open(os.path.join(path, "config.json")))
   rope = config["rope_parameters"]
   legacy = dict(config, rope_theta=rope["full_attention"]["rope_theta"], torch_dtype="float32",
-                rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
-                rope_scaling={"rope_type": "linear", "factor": rope["full_attention"]["factor"]})
+                rope_local_base_freq=rope["sliding_attention"]["rope_theta"], rope_scaling={
+                    "rope_type": "linear",
+                    "factor": rope["full_attention"]["factor"]
+                })
   for key in ("rope_parameters", "layer_types", "dtype"):
     legacy.pop(key)
   legacy["sliding_window_pattern"] = 3

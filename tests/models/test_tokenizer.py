@@ -5,8 +5,10 @@ from hf_support import save_tokenizer
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.models.tokenizer import HFTokenizer
 
-TEXTS = ["Natalia sold clips to 48 of her friends in April.", "How many clips did she sell altogether?",
-         "The answer is \\boxed{72}.", "Weng earns $12 an hour for babysitting."] * 20
+TEXTS = [
+    "Natalia sold clips to 48 of her friends in April.", "How many clips did she sell altogether?",
+    "The answer is \\boxed{72}.", "Weng earns $12 an hour for babysitting."
+] * 20
 MESSAGES = [{"role": "system", "content": "Reason step by step."}, {"role": "user", "content": "What is 2 + 3?"}]
 
 

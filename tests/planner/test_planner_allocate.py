@@ -4,11 +4,9 @@ import dataclasses
 import pytest
 
 from jaxrl_hex.models.config import model_config
-from jaxrl_hex.planner import PlanError
-from jaxrl_hex.planner import allocate as al
-from jaxrl_hex.planner import cost_model as cm
+from jaxrl_hex.planner import PlanError, allocate as al, cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
-from jaxrl_hex.planner.command import REPO, load_model
+from jaxrl_hex.planner.model_files import REPO, load_model
 
 CAT = load_catalog()
 SMALL = cm.Workload(batch_size=8, group_size=4, prompt_len=512, output_mean=2048, output_max=8192)
@@ -23,11 +21,26 @@ def groups(p):
 
 
 @pytest.mark.parametrize("model,counts", [
-    ("qwen2_1_5b", {"H800": 4, "H20": 4}),
-    ("qwen2_7b", {"v5e": 4, "v6e": 4}),
-    ("qwen2_7b", {"A100": 5, "H20": 3}),
-    ("qwen2_1_5b", {"v5p": 2, "H100": 6}),
-    ("qwen2_1_5b", {"L4": 6, "H200": 2}),
+    ("qwen2_1_5b", {
+        "H800": 4,
+        "H20": 4
+    }),
+    ("qwen2_7b", {
+        "v5e": 4,
+        "v6e": 4
+    }),
+    ("qwen2_7b", {
+        "A100": 5,
+        "H20": 3
+    }),
+    ("qwen2_1_5b", {
+        "v5p": 2,
+        "H100": 6
+    }),
+    ("qwen2_1_5b", {
+        "L4": 6,
+        "H200": 2
+    }),
 ])
 @pytest.mark.parametrize("objective", ["throughput", "cost"])
 def test_planner_equals_exhaustive_search_on_small_clusters(model, counts, objective):
@@ -65,24 +78,29 @@ def test_water_fill_is_min_makespan():
 
 
 def test_unfilled_replicas_pay_for_their_weight_reads():
-  opt = al.Option(None, (2.0, 0.1, 0.2), 0.0, 1.0)   # a + b*n below saturation (n < 20)
-  assert opt.seconds(10, 1) == pytest.approx(3.0)     # 2 + 0.1*10 > 0.2*10
-  assert opt.seconds(40, 1) == pytest.approx(8.0)     # saturated: 0.2*40
+  opt = al.Option(None, (2.0, 0.1, 0.2), 0.0, 1.0)  # a + b*n below saturation (n < 20)
+  assert opt.seconds(10, 1) == pytest.approx(3.0)  # 2 + 0.1*10 > 0.2*10
+  assert opt.seconds(40, 1) == pytest.approx(8.0)  # saturated: 0.2*40
 
 
 @pytest.mark.parametrize("model", ["qwen2_7b", "qwen2_14b"])
 def test_areal_hex_setting_mix_beats_equal_budget_homogeneous(model):
   cfg = load_model(model)[1]
-  plans = {name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml"), name=model)
-           for name in ("hex", "h800", "h20")}
+  plans = {
+      name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml"), name=model)
+      for name in ("hex", "h800", "h20")
+  }
   mix = plans["hex"]
   assert mix.train.device_type == "H800" and mix.train.layout.devices == 24
   assert {g.option.replica.device_type for g in mix.groups} == {"H20"}
   for name in ("h800", "h20"):
     assert mix.gen_tokens_per_s > 1.25 * plans[name].gen_tokens_per_s
     assert mix.usd_per_mtok < plans[name].usd_per_mtok
-  budgets = [sum(CAT[k].price_per_hour * n for k, n in al.load_cluster(
-      REPO / f"meshes/cluster-areal-{name}.yaml").counts.items()) for name in ("hex", "h800", "h20")]
+  budgets = [
+      sum(CAT[k].price_per_hour * n
+          for k, n in al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml").counts.items())
+      for name in ("hex", "h800", "h20")
+  ]
   assert max(budgets) / min(budgets) < 1.06  # equal budget, as in the paper
 
 
@@ -97,8 +115,8 @@ def test_tpu_gpu_and_tpu_generation_examples():
 
 
 def test_model_that_fits_no_device():
-  huge = model_config(vocab_size=32000, d_model=16384, n_layers=64, n_heads=128, n_kv_heads=8,
-                      head_dim=128, mlp_dim=53248, param_dtype="bfloat16", dtype="bfloat16")
+  huge = model_config(vocab_size=32000, d_model=16384, n_layers=64, n_heads=128, n_kv_heads=8, head_dim=128,
+                      mlp_dim=53248, param_dtype="bfloat16", dtype="bfloat16")
   with pytest.raises(PlanError) as e:
     al.plan(huge, cluster({"v5e": 4, "L4": 4}), name="huge")
   assert "fits no device for rollout" in str(e.value) and "smaller model" in str(e.value)

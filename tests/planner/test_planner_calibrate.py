@@ -5,9 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxrl_hex.planner import PlanError
-from jaxrl_hex.planner import calibrate as cal
-from jaxrl_hex.planner import cost_model as cm
+from jaxrl_hex.planner import PlanError, calibrate as cal, cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
 
 TINY = dict(vocab_size=16, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=256,
@@ -21,24 +19,46 @@ def synthetic_runs(truth, noise=0.05, seed=0):
   out = []
   for tokens in (2048, 8192, 32768):
     step = cm.train_time(m, truth, cm.TrainLayout(1, 2, 2), tokens, 64).total_s * rng.uniform(1 - noise, 1 + noise)
-    out.append({"pool": "train", "device_type": "cpu", "devices": 4, "mesh": {"fsdp": 2, "tensor": 2},
-                "model": TINY, "seq_len": 64, "tokens_per_step": tokens, "tokens_per_s": tokens / step})
+    out.append({
+        "pool": "train",
+        "device_type": "cpu",
+        "devices": 4,
+        "mesh": {
+            "fsdp": 2,
+            "tensor": 2
+        },
+        "model": TINY,
+        "seq_len": 64,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step
+    })
   for batch, context in ((8, 40), (32, 40), (128, 40), (32, 400)):
     step = cm.decode_time(m, truth, 2, batch, context).total_s * rng.uniform(1 - noise, 1 + noise)
-    out.append({"pool": "rollout", "device_type": "cpu", "devices": 4, "mesh": {"data": 2, "tensor": 2},
-                "model": TINY, "batch": batch, "context": context, "decode_tokens_per_s": 2 * batch / step})
+    out.append({
+        "pool": "rollout",
+        "device_type": "cpu",
+        "devices": 4,
+        "mesh": {
+            "data": 2,
+            "tensor": 2
+        },
+        "model": TINY,
+        "batch": batch,
+        "context": context,
+        "decode_tokens_per_s": 2 * batch / step
+    })
   return out
 
 
 def test_calibration_fits_cpu8_within_25_percent(tmp_path):
   cat = load_catalog()
-  truth = dataclasses.replace(cat["cpu"], train_mfu=0.23, train_overhead_s=0.004, rollout_eff=0.05,
-                              attention_eff=0.02, decode_overhead_s=0.0004)
+  truth = dataclasses.replace(cat["cpu"], train_mfu=0.23, train_overhead_s=0.004, rollout_eff=0.05, attention_eff=0.02,
+                              decode_overhead_s=0.0004)
   path = tmp_path / "measured.json"
   path.write_text(json.dumps({"records": synthetic_runs(truth)}))
   overlay, report = cal.calibrate(cal.load_measurements([path]), cat)
-  assert max(r["error_before"] for r in report) > 0.25    # the uncalibrated catalog is off
-  assert max(r["error_after"] for r in report) < 0.10     # well inside the 25% target
+  assert max(r["error_before"] for r in report) > 0.25  # the uncalibrated catalog is off
+  assert max(r["error_after"] for r in report) < 0.10  # well inside the 25% target
   fitted = overlay["devices"]["cpu"]
   assert fitted["train_mfu"] == pytest.approx(0.23, rel=0.2)
   assert fitted["rollout_eff"] == pytest.approx(0.05, rel=0.2)

@@ -6,8 +6,8 @@ import math
 import os
 
 import pytest
-
 from support import ROOT
+
 from jaxrl_hex.planner import calibrate as cal
 from jaxrl_hex.planner.catalog import CATALOG_PATH, EFFICIENCY_FIELDS, load_catalog
 
@@ -21,8 +21,8 @@ def c8():
 
 
 def test_measured_runs_are_records_that_calibrate(c8, tmp_path):
-  points = c8.build_points([("tiny", 16, 16, False), ("tiny", 32, 16, True)],
-                           [("tiny", 4, 16, False), ("tiny", 8, 32, True)])
+  points = c8.build_points([("tiny", 16, 16, False), ("tiny", 32, 16, True)], [("tiny", 4, 16, False),
+                                                                               ("tiny", 8, 32, True)])
   path = tmp_path / "measured.json"
   path.write_text(json.dumps({"records": c8.measure(points, rounds=2, warmup=1)}))
   records = cal.load_measurements([path])  # raises on a missing documented field
@@ -56,8 +56,13 @@ def test_measured_runs_are_records_that_calibrate(c8, tmp_path):
 def test_write_catalog_changes_only_the_cpu_factors(c8, tmp_path):
   path = tmp_path / "catalog.yaml"
   path.write_text(CATALOG_PATH.read_text())
-  factors = {"train_mfu": 0.0123, "rollout_eff": 0.0456, "attention_eff": 0.0789, "train_overhead_s": 0.0021,
-             "decode_overhead_s": 0.00031}
+  factors = {
+      "train_mfu": 0.0123,
+      "rollout_eff": 0.0456,
+      "attention_eff": 0.0789,
+      "train_overhead_s": 0.0021,
+      "decode_overhead_s": 0.00031
+  }
   for note in ("on day 1", "on day 2"):  # a rerun replaces its own lines
     c8.write_catalog(factors, note, path)
   old, new = CATALOG_PATH.read_text(), path.read_text()

@@ -10,8 +10,10 @@ def test_builtin_catalog_has_every_required_device():
   for name in ["v4", "v5e", "v5p", "v6e", "A100", "H100", "H200", "H800", "H20", "L4", "B200", "cpu"]:
     assert name in cat
   # The AReaL-Hex figures, as that paper states them.
-  assert (cat["H20"].bf16_tflops, cat["H20"].hbm_gb_s, cat["H20"].hbm_gb, cat["H20"].price_per_hour) == (148, 4000, 96, 1.85)
-  assert (cat["H800"].bf16_tflops, cat["H800"].hbm_gb_s, cat["H800"].hbm_gb, cat["H800"].price_per_hour) == (756, 2000, 80, 5.28)
+  assert (cat["H20"].bf16_tflops, cat["H20"].hbm_gb_s, cat["H20"].hbm_gb, cat["H20"].price_per_hour) == (148, 4000, 96,
+                                                                                                         1.85)
+  assert (cat["H800"].bf16_tflops, cat["H800"].hbm_gb_s, cat["H800"].hbm_gb, cat["H800"].price_per_hour) == (756, 2000,
+                                                                                                             80, 5.28)
   assert cat["v5e"].platform == "tpu" and cat["H100"].platform == "gpu"
   assert cat["H100"].train_mfu == 0.40  # filled from the defaults section
 

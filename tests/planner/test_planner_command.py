@@ -39,8 +39,11 @@ def test_plan_json_and_explicit_out(tmp_path, capsys):
   cluster = tmp_path / "c.yaml"
   cluster.write_text(CLUSTER)
   out = tmp_path / "plan-x.yaml"
-  assert plan_main(["--cluster", str(cluster), "--model", "configs/models/qwen2_1_5b.py", "--objective", "cost",
-                    "--json", "--out", str(out)]) == 0
+  assert plan_main([
+      "--cluster",
+      str(cluster), "--model", "configs/models/qwen2_1_5b.py", "--objective", "cost", "--json", "--out",
+      str(out)
+  ]) == 0
   data = json.loads(capsys.readouterr().out)
   assert data["plan"]["objective"] == "cost" and yaml.safe_load(out.read_text())["pools"] == data["pools"]
 
@@ -49,7 +52,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
   cluster = tmp_path / "c.yaml"
   cluster.write_text("cluster:\n  - {type: H100, count: 1}\n")
   cases = [
-      ["--cluster", str(cluster), "--model", "qwen2_1_5b"],                       # no room for a replica
+      ["--cluster", str(cluster), "--model", "qwen2_1_5b"],  # no room for a replica
       ["--cluster", str(tmp_path / "missing.yaml"), "--model", "qwen2_1_5b"],
       ["--cluster", str(cluster), "--model", "no_such_model"],
   ]

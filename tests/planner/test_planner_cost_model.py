@@ -4,7 +4,7 @@ import pytest
 from jaxrl_hex.models.config import param_count
 from jaxrl_hex.planner import cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
-from jaxrl_hex.planner.command import load_model
+from jaxrl_hex.planner.model_files import load_model
 
 CAT = load_catalog()
 W = cm.Workload()
@@ -35,12 +35,12 @@ def test_decode_is_bandwidth_bound_and_training_compute_bound():
 
 def test_memory_feasibility():
   m14 = cm.ModelCost.from_config(load_model("qwen2_14b")[1])
-  assert cm.replica(m14, CAT["L4"], 1, W) is None        # 29.5 GB of weights on a 24 GB chip
-  assert cm.replica(m14, CAT["L4"], 4, W) is not None    # fits sharded over 4
-  assert cm.replica(m14, CAT["H20"], 3, W) is None       # 40 heads do not split 3 ways
+  assert cm.replica(m14, CAT["L4"], 1, W) is None  # 29.5 GB of weights on a 24 GB chip
+  assert cm.replica(m14, CAT["L4"], 4, W) is not None  # fits sharded over 4
+  assert cm.replica(m14, CAT["H20"], 3, W) is None  # 40 heads do not split 3 ways
   r = cm.replica(m14, CAT["H20"], 1, W)
   assert 1 <= r.slots <= W.max_concurrency
-  assert not list(cm.train_layouts(m14, CAT["H100"], 1, 17408))   # 14B + Adam on one chip
+  assert not list(cm.train_layouts(m14, CAT["H100"], 1, 17408))  # 14B + Adam on one chip
   assert list(cm.train_layouts(m14, CAT["H100"], 8, 17408))
 
 

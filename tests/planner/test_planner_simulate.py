@@ -1,16 +1,14 @@
 """Simulator: agrees with the planner, respects the staleness gate, draws a timeline."""
 import dataclasses
 
-import pytest
-
-from jaxrl_hex.planner import allocate as al
-from jaxrl_hex.planner import cost_model as cm
+from jaxrl_hex.planner import allocate as al, cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
-from jaxrl_hex.planner.command import load_model, plan_to_mesh
+from jaxrl_hex.planner.command import plan_to_mesh
+from jaxrl_hex.planner.model_files import load_model
 from jaxrl_hex.planner.simulate import SimSpec, draw_timeline, simulate
 
-W = cm.Workload(batch_size=16, group_size=8, prompt_len=512, output_mean=1024, output_max=4096,
-                output_dist="fixed", eta=2, reward_s=0.5)
+W = cm.Workload(batch_size=16, group_size=8, prompt_len=512, output_mean=1024, output_max=4096, output_dist="fixed",
+                eta=2, reward_s=0.5)
 
 
 def spec_for(counts, workload=W):

@@ -56,7 +56,7 @@ def test_reinforce_pp_whitens_returns_to_go_over_the_batch():
   inp = AdvantageInputs(jnp.array([[-0.1, 0.0, 1.0], [0.0, -0.2, 0.0]]), jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
                         jnp.array([0, 1]))
   adv, _ = advantages.reinforce_pp(inp, ALGO)
-  returns = np.array([0.9, 1.0, 1.0, -0.2, -0.2])   # masked entries; mean 0.5, var 0.328
+  returns = np.array([0.9, 1.0, 1.0, -0.2, -0.2])  # masked entries; mean 0.5, var 0.328
   expected = (returns - 0.5) / (np.sqrt(0.328) + 1e-6)
   np.testing.assert_allclose(np.asarray(adv)[np.asarray(inp.mask) > 0], expected, rtol=1e-5)
   assert adv[1, 2] == 0.0
@@ -80,5 +80,7 @@ def test_registry_resolves_names_user_functions_and_lists_known_ones():
   ADVANTAGES.register("test_zero", lambda inp, algo: (inp.mask * 0, None), needs_groups=False)
   adv, _ = ADVANTAGES.get("test_zero")(_outcome([1.0, 2.0], [0, 0]), ALGO)
   np.testing.assert_array_equal(adv, 0.0)
-  with pytest.raises(UserError, match=r"algo.advantage='nope' is not a known advantage estimator; known: drgrpo, gae, grpo, reinforce_pp, rloo"):
+  with pytest.raises(
+      UserError,
+      match=r"algo.advantage='nope' is not a known advantage estimator; known: drgrpo, gae, grpo, reinforce_pp, rloo"):
     ADVANTAGES.get("nope")

@@ -9,12 +9,14 @@ MASK = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 LOSS = jnp.array([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
 
 
-@pytest.mark.parametrize("name, norm, expected", [
-    ("token-mean", 0, (1 + 2 + 4) / 3),
-    ("seq-mean-token-mean", 0, ((1 + 2) / 2 + 4 / 1) / 2),
-    ("seq-mean-token-sum-norm", 0, ((1 + 2) / 3 + 4 / 3) / 2),   # divisor: the width C = 3
-    ("seq-mean-token-sum-norm", 4, ((1 + 2) / 4 + 4 / 4) / 2),
-])
+@pytest.mark.parametrize(
+    "name, norm, expected",
+    [
+        ("token-mean", 0, (1 + 2 + 4) / 3),
+        ("seq-mean-token-mean", 0, ((1 + 2) / 2 + 4 / 1) / 2),
+        ("seq-mean-token-sum-norm", 0, ((1 + 2) / 3 + 4 / 3) / 2),  # divisor: the width C = 3
+        ("seq-mean-token-sum-norm", 4, ((1 + 2) / 4 + 4 / 4) / 2),
+    ])
 def test_aggregations_hand_computed(name, norm, expected):
   algo = base_config().algo
   algo.loss_norm_length = norm

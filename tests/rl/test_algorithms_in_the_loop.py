@@ -3,6 +3,7 @@ critic checkpointed and resumed with the run."""
 import os
 
 from support import SMALL, load_config
+
 from jaxrl_hex import commands
 from jaxrl_hex.checkpoint import Checkpointer
 from jaxrl_hex.metrics import read_jsonl

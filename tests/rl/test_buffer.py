@@ -33,7 +33,7 @@ def test_eta_zero_admits_only_the_current_batch_and_blocks_until_the_step():
 
 def test_take_drops_batches_staler_than_eta():
   buf = Buffer(max_staleness=1, trainer_version=3)
-  buf.put(_item(0, version=1))   # staleness 2 > 1: dropped
+  buf.put(_item(0, version=1))  # staleness 2 > 1: dropped
   buf.put(_item(1, version=2))
   item, staleness = buf.take(timeout=1)
   assert (item.batch_index, staleness, buf.dropped) == (1, 1, 1)

@@ -3,18 +3,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import load_config
 
-from support import SMALL, load_config
 from jaxrl_hex import cli
 from jaxrl_hex.config import ConfigError, validate
-from jaxrl_hex.models import Policy
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.rl import packing
-from jaxrl_hex.rl.batch import concat_rollouts
+from jaxrl_hex.data.rollouts import Rollout, concat_rollouts
 from jaxrl_hex.rl.dynamic import GroupFilter
 from jaxrl_hex.rl.objectives import make_rl_loss
 from jaxrl_hex.rl.trainer import from_layout, token_logprobs
-from jaxrl_hex.rollout.engine import Rollout
 
 PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
 
@@ -48,7 +47,8 @@ def test_ppo_without_a_critic_says_why(capsys, tmp_path):
 
 def test_group_size_one_fails_for_group_baselines_only():
   cfg = load_config(**{"rollout.group_size": 1, "rollout.prompts_per_step": 8})
-  with pytest.raises(ConfigError, match="group_size=1 with algo.advantage='grpo': a group baseline from a single sample"):
+  with pytest.raises(ConfigError,
+                     match="group_size=1 with algo.advantage='grpo': a group baseline from a single sample"):
     validate(cfg)
   cfg.algo.advantage = "reinforce_pp"
   validate(cfg)
@@ -64,14 +64,18 @@ def test_other_bad_choices():
 def test_overlong_shaping_is_dapo_soft_punishment():
   objective = make_rl_loss(load_config(**{"algo.overlong_buffer": 2, "algo.overlong_penalty": 0.5}).algo, 1.0)
   shaped = objective.shaped_rewards(jnp.ones(4), jnp.array([3.0, 4.0, 5.0, 6.0]), 6)
-  np.testing.assert_allclose(shaped, [1.0, 1.0, 0.75, 0.5])   # lengths past 6 - 2 lose 0.5 per 2 tokens
+  np.testing.assert_allclose(shaped, [1.0, 1.0, 0.75, 0.5])  # lengths past 6 - 2 lose 0.5 per 2 tokens
 
 
 def test_kl_as_reward_penalty_enters_reinforce_pp_returns(pools):
   """k1(behav, ref) is charged per token: with gamma 1 a sequence's return at token t is its outcome
   minus the KL of tokens t.. (the reference's logprobs computed here independently)."""
-  cfg = load_config(**{"algo.advantage": "reinforce_pp", "algo.kl_coef": 0.5, "algo.kl_mode": "reward",
-                       "algo.kl_estimator": "k1"})
+  cfg = load_config(**{
+      "algo.advantage": "reinforce_pp",
+      "algo.kl_coef": 0.5,
+      "algo.kl_mode": "reward",
+      "algo.kl_estimator": "k1"
+  })
   policy = Policy.build(model_config(**cfg.model))
   params = policy.init(0)
   rng = np.random.default_rng(0)
@@ -85,8 +89,8 @@ def test_kl_as_reward_penalty_enters_reinforce_pp_returns(pools):
   lay = packing.plan(tokens, valid, loss_mask, pack=True, row_length=16)
   arrays = {k: jnp.asarray(getattr(lay, k)) for k in ("tokens", "positions", "segments", "seq")}
   objective = make_rl_loss(cfg.algo, 1.0)
-  data, metrics = jax.jit(lambda p, b: objective.start(policy, None, p, p, None, arrays, b, lay.slot,
-                                                       lay.minibatch_of, 0))(params, batch)
+  data, metrics = jax.jit(
+      lambda p, b: objective.start(policy, None, p, p, None, arrays, b, lay.slot, lay.minibatch_of, 0))(params, batch)
   kl = np.where(loss_mask, -2.0 - ref_logp, 0.0)
   token_rewards = -0.5 * kl
   token_rewards[np.arange(4), loss_mask.sum(1) - 1] += batch["rewards"]
@@ -99,17 +103,17 @@ def test_kl_as_reward_penalty_enters_reinforce_pp_returns(pools):
 def _rollout(rewards, group_ids, p_len):
   n = len(rewards)
   return Rollout(np.full((n, p_len), 3, np.int32), np.ones((n, p_len), bool), np.zeros((n, 2), np.int32),
-                 np.ones((n, 2), bool), np.zeros((n, 2), np.float32), np.zeros((n, 2), np.int32),
-                 np.asarray(group_ids), np.asarray(rewards, np.float32))
+                 np.ones((n, 2), bool), np.zeros((n, 2), np.float32), np.zeros((n, 2), np.int32), np.asarray(group_ids),
+                 np.asarray(rewards, np.float32))
 
 
 def test_dynamic_sampling_keeps_informative_groups_until_full():
   f = GroupFilter(prompts_per_step=2, max_rounds=5)
-  assert f.add(_rollout([1, 1, 0, 1], [7, 7, 8, 8], p_len=3)) is None      # group 7 all-equal: dropped
+  assert f.add(_rollout([1, 1, 0, 1], [7, 7, 8, 8], p_len=3)) is None  # group 7 all-equal: dropped
   batch, stats = f.add(_rollout([0, 0, 1, 0], [9, 9, 4, 4], p_len=5))
-  np.testing.assert_array_equal(batch.rewards, [0, 1, 1, 0])                 # groups 8 and 4
+  np.testing.assert_array_equal(batch.rewards, [0, 1, 1, 0])  # groups 8 and 4
   np.testing.assert_array_equal(batch.group_ids, [0, 0, 1, 1])
-  assert batch.prompt_tokens.shape == (4, 5) and batch.prompt_valid[:2, :2].sum() == 0   # re-left-padded
+  assert batch.prompt_tokens.shape == (4, 5) and batch.prompt_valid[:2, :2].sum() == 0  # re-left-padded
   assert stats == {"dynamic_sampling_rounds": 2, "informative_group_fraction": 0.5, "uninformative_groups_used": 0}
 
 

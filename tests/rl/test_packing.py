@@ -35,7 +35,7 @@ def test_packed_layout_keeps_sequences_whole_with_their_own_positions():
   for i in range(4):
     where = lay.seq == i
     assert where.sum() == valid[i].sum()
-    np.testing.assert_array_equal(lay.tokens[where], tokens[i][valid[i]])      # in order, contiguous
+    np.testing.assert_array_equal(lay.tokens[where], tokens[i][valid[i]])  # in order, contiguous
     np.testing.assert_array_equal(lay.positions[where], np.arange(valid[i].sum()))
     assert len(np.unique(lay.segments[where])) == 1
   # slot: completion token t of sequence i is where its token lies in the layout
@@ -63,12 +63,11 @@ def test_segment_mask_is_block_diagonal_causal():
 
 def test_micro_batches_minibatches_and_shards():
   tokens, valid, loss_mask = _batch([4] * 8, [3] * 8)
-  lay = packing.plan(tokens, valid, loss_mask, minibatches=2, shards=2, micro_batch_tokens=14, pack=True,
-                     row_length=7)
+  lay = packing.plan(tokens, valid, loss_mask, minibatches=2, shards=2, micro_batch_tokens=14, pack=True, row_length=7)
   # 4 sequences of 7 tokens per minibatch, one per row; 2 rows (one per shard) per micro-batch
   assert lay.shape == (2, 2, 2, 7)
   np.testing.assert_array_equal(lay.minibatch_of, [0, 0, 0, 0, 1, 1, 1, 1])
-  assert set(np.unique(lay.seq[0])) == {0, 1, 2, 3}   # full rows: no padding
+  assert set(np.unique(lay.seq[0])) == {0, 1, 2, 3}  # full rows: no padding
   stats = lay.stats()
   assert stats["padding_share"] == 0.0 and stats["shard_imbalance"] == 1.0 and stats["micro_batches"] == 4
 
@@ -77,7 +76,7 @@ def test_padded_layout_is_one_sequence_per_row():
   tokens, valid, loss_mask = _batch([2, 4, 1, 3], [3, 1, 2, 2])
   lay = packing.plan(tokens, valid, loss_mask, shards=2)
   assert lay.shape == (1, 1, 4, 7)
-  assert all(len(np.unique(lay.seq[0, 0, r])) <= 2 for r in range(4))   # itself and padding
+  assert all(len(np.unique(lay.seq[0, 0, r])) <= 2 for r in range(4))  # itself and padding
 
 
 def test_minibatches_must_divide_the_batch():
@@ -93,8 +92,8 @@ def test_shared_prompt_layout_lays_each_group_prompt_once():
   assert lay.shape == (1, 1, 4, 3) and lay.prompt_tokens.shape == (1, 1, 2, 4)
   np.testing.assert_array_equal(lay.prompt_tokens[0, 0], tokens[[0, 2], :4])
   np.testing.assert_array_equal(lay.row_group[0, 0], [0, 0, 1, 1])
-  np.testing.assert_array_equal(lay.positions[0, 0, 2], [3, 4, 5])   # completions continue the prompt's positions
-  assert lay.real_tokens == 2 + 3 + 4 + 4   # prompts once, completions each
+  np.testing.assert_array_equal(lay.positions[0, 0, 2], [3, 4, 5])  # completions continue the prompt's positions
+  assert lay.real_tokens == 2 + 3 + 4 + 4  # prompts once, completions each
   flat = lay.tokens.reshape(-1)
   for i in range(4):
     np.testing.assert_array_equal(flat[lay.slot[i][loss_mask[i]]], tokens[i, 4:][loss_mask[i]])

@@ -3,13 +3,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from support import load_config
-from jaxrl_hex.models import Policy
+
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
+from jaxrl_hex.rl.advantages import ADVANTAGES, AdvantageInputs
 from jaxrl_hex.rl.aggregation import AGGREGATIONS
 from jaxrl_hex.rl.losses import LOSSES, LossInputs, behaviour_weight
-from jaxrl_hex.rl.advantages import ADVANTAGES, AdvantageInputs
 from jaxrl_hex.rl.objectives import make_rl_loss
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer, token_logprobs
 
@@ -31,10 +31,11 @@ def _batch(seed=0):
   for i, (pl, cl) in enumerate(zip(rng.integers(3, P + 1, N), rng.integers(1, C + 1, N))):
     valid[i, P - pl:P] = valid[i, P:P + cl] = True
   loss_mask = valid[:, P:]
-  return dict(tokens=tokens, valid=valid, loss_mask=loss_mask,
-              behav_logp=np.where(loss_mask, rng.uniform(-3.0, -2.0, (N, C)), 0).astype(np.float32),
-              rewards=rng.integers(0, 2, N).astype(np.float32), group_ids=np.repeat(np.arange(N // 4), 4).astype(np.int32),
-              versions=np.zeros((N, C), np.int32))
+  return dict(tokens=tokens, valid=valid, loss_mask=loss_mask, behav_logp=np.where(loss_mask,
+                                                                                   rng.uniform(-3.0, -2.0, (N, C)),
+                                                                                   0).astype(np.float32),
+              rewards=rng.integers(0, 2, N).astype(np.float32),
+              group_ids=np.repeat(np.arange(N // 4), 4).astype(np.int32), versions=np.zeros((N, C), np.int32))
 
 
 def _trainer(setup, pools, ref=False, **overrides):
@@ -46,8 +47,8 @@ def _trainer(setup, pools, ref=False, **overrides):
 
 
 def _rel(a, b):
-  diff = jnp.sqrt(sum(jnp.sum((x - y) ** 2) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
-  return float(diff / jnp.sqrt(sum(jnp.sum(y ** 2) for y in jax.tree.leaves(b))))
+  diff = jnp.sqrt(sum(jnp.sum((x - y)**2) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+  return float(diff / jnp.sqrt(sum(jnp.sum(y**2) for y in jax.tree.leaves(b))))
 
 
 def test_padded_layout_matches_a_direct_loss_on_engine_rows(setup, pools):
@@ -61,7 +62,8 @@ def test_padded_layout_matches_a_direct_loss_on_engine_rows(setup, pools):
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
     logp = jnp.where(mask > 0, logp, 0.0)
     adv, _ = ADVANTAGES.get("grpo")(AdvantageInputs(
-        jax.nn.one_hot(mask.sum(1).astype(jnp.int32) - 1, C) * batch["rewards"][:, None], mask, jnp.asarray(batch["group_ids"])), algo)
+        jax.nn.one_hot(mask.sum(1).astype(jnp.int32) - 1, C) * batch["rewards"][:, None], mask,
+        jnp.asarray(batch["group_ids"])), algo)
     inp = LossInputs.padded(logp, jax.lax.stop_gradient(logp), jnp.asarray(batch["behav_logp"]), adv, mask)
     inp.behav_weight, _ = behaviour_weight(inp, algo.behav_weight_cap, algo.behav_weight_mode)
     per_token, _ = LOSSES.get("ppo")(inp, algo)
@@ -75,8 +77,17 @@ def test_padded_layout_matches_a_direct_loss_on_engine_rows(setup, pools):
 
 @pytest.mark.parametrize("overrides", [
     {},
-    {"algo.loss": "gspo", "algo.loss_agg": "seq-mean-token-mean", "algo.behav_weight_level": "sequence"},
-    {"algo.loss": "cispo", "algo.loss_agg": "seq-mean-token-sum-norm", "algo.kl_coef": 0.1, "algo.entropy_coef": 0.01},
+    {
+        "algo.loss": "gspo",
+        "algo.loss_agg": "seq-mean-token-mean",
+        "algo.behav_weight_level": "sequence"
+    },
+    {
+        "algo.loss": "cispo",
+        "algo.loss_agg": "seq-mean-token-sum-norm",
+        "algo.kl_coef": 0.1,
+        "algo.entropy_coef": 0.01
+    },
 ])
 def test_packed_and_micro_batched_equal_padded_loss_and_grads(setup, pools, overrides):
   batch = _batch()
@@ -91,11 +102,14 @@ def test_packed_and_micro_batched_equal_padded_loss_and_grads(setup, pools, over
 def test_shared_prompt_rows_equal_padded_loss_and_grads(setup, pools):
   """Each group's prompt computed once, its completions attending to it, gives the padded result."""
   batch = _batch()
-  for start in range(0, N, 4):   # GRPO batches: the samples of a group share their prompt
+  for start in range(0, N, 4):  # GRPO batches: the samples of a group share their prompt
     batch["tokens"][start:start + 4, :P] = batch["tokens"][start, :P]
     batch["valid"][start:start + 4, :P] = batch["valid"][start, :P]
   loss, grads = _trainer(setup, pools).gradients(batch)
-  s_loss, s_grads = _trainer(setup, pools, **{"algo.share_prompts": True, "algo.micro_batch_tokens": 48}).gradients(batch)
+  s_loss, s_grads = _trainer(setup, pools, **{
+      "algo.share_prompts": True,
+      "algo.micro_batch_tokens": 48
+  }).gradients(batch)
   assert abs(float(s_loss) - float(loss)) <= 1e-5 * abs(float(loss))
   assert _rel(s_grads, grads) <= 1e-5
 
@@ -103,7 +117,7 @@ def test_shared_prompt_rows_equal_padded_loss_and_grads(setup, pools):
 def test_step_updates_params_and_reports_the_orchestrator_metrics(setup, pools):
   trainer = _trainer(setup, pools, ref=True, **{"algo.kl_coef": 0.05, "algo.pack": True, "algo.pack_length": 32})
   before = jax.tree.map(np.asarray, trainer.params)
-  trainer.step(_batch())   # the schedule's warmup starts at lr 0
+  trainer.step(_batch())  # the schedule's warmup starts at lr 0
   m = trainer.step(_batch(1))
   assert trainer.version == 2
   assert {"loss", "kl", "clip_fraction", "entropy", "reward_mean", "grad_norm", "padding_share",
@@ -117,7 +131,7 @@ def test_minibatches_take_one_update_each_with_recomputed_or_interpolated_prox(s
   for prox in ("recompute", "interpolate"):
     trainer = _trainer(setup, pools, **{"algo.minibatches": 2, "algo.prox_logp": prox})
     m = trainer.step(batch)
-    assert int(trainer.opt_state[1][0].count) == 2   # adamw saw two updates
+    assert int(trainer.opt_state[1][0].count) == 2  # adamw saw two updates
     assert np.isfinite(m["loss"]) and m["behav_kept_fraction"] > 0
 
 

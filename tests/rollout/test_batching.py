@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.models import Policy
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.tokenizer import CharTokenizer
 from jaxrl_hex.rl.trainer import token_logprobs
 from jaxrl_hex.rollout import slots as S
-from jaxrl_hex.rollout.engine import Engine, Request, bucket
+from jaxrl_hex.data.rollouts import bucket
+from jaxrl_hex.rollout.engine import Engine, Request
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
                    tie_embeddings=True)
@@ -145,7 +146,10 @@ def test_a_sliding_window_model_decodes_as_the_trainer_scores(pools):
   """Sliding-window layers with their own RoPE (Gemma 3 style) through refills and ring spans."""
   cfg = model_config(vocab_size=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
                      tie_embeddings=True, sliding_window=4, layer_types=("sliding", "sliding", "full"),
-                     rope_local_theta=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+                     rope_local_theta=100.0, rope_scaling={
+                         "rope_type": "linear",
+                         "factor": 2.0
+                     })
   policy = Policy.build(cfg)
   params = policy.init(0, pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes()))
   engine = make_engine(pools, policy, max_new_tokens=24)  # 2 slots, a ring of 40 columns
@@ -216,7 +220,8 @@ def test_stop_string_split_across_tokens(pools, weights):
   (cut,) = run(engine, [Request("12+34=", max_tokens=12, stop=(stop,))])
   assert cut.finish_reason == "stop" and not cut.truncated
   assert cut.text == text[:end] and cut.tokens.tolist() == free.tokens[:end].tolist()
-  np.testing.assert_allclose(cut.logprobs, free.logprobs[:end], rtol=1e-6)  # same tokens; fp32 rounding of threaded reductions
+  np.testing.assert_allclose(cut.logprobs, free.logprobs[:end],
+                             rtol=1e-6)  # same tokens; fp32 rounding of threaded reductions
 
 
 def test_memory_is_reported_and_a_cache_that_does_not_fit_is_refused(pools, weights):
@@ -226,8 +231,9 @@ def test_memory_is_reported_and_a_cache_that_does_not_fit_is_refused(pools, weig
   assert engine.memory["kv_cache_bytes"] == 2 * 2 * 4 * 24 * 2 * 8 * 4
   # the rollout pool splits slots over data=2 and kv heads over tensor=2
   assert engine.memory["kv_cache_bytes_per_device"] == engine.memory["kv_cache_bytes"] // 4
-  with pytest.raises(UserError, match=r"KV cache for 512 slots x 4104 tokens needs 0\.13 GiB per device .*"
-                                      r"budget is 0\.05 GiB \(rollout.memory_budget_gb\)"):
+  with pytest.raises(
+      UserError, match=r"KV cache for 512 slots x 4104 tokens needs 0\.13 GiB per device .*"
+      r"budget is 0\.05 GiB \(rollout.memory_budget_gb\)"):
     make_engine(pools, policy, slots=512, max_prompt_len=4096, memory_budget_gb=0.05)
   with pytest.raises(UserError, match="does not fit rollout.max_prompt_len=16"):
     engine.submit([Request("1+2=" * 5)])

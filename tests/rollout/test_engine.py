@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.models import Policy
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.tokenizer import CharTokenizer
 from jaxrl_hex.rl.batch import rl_batch
@@ -44,7 +44,7 @@ def test_outputs_stop_at_eos_and_carry_the_version(setup):
   assert rollout.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
   for row_mask, row in zip(mask, comp):
     n = int(row_mask.sum())
-    assert row_mask[:n].all() and not row_mask[n:].any()        # a prefix
+    assert row_mask[:n].all() and not row_mask[n:].any()  # a prefix
     eos = np.flatnonzero(row[:n] == TOK.eos_id)
     assert (n == 8 and eos.size == 0) or eos.tolist() == [n - 1]  # stops right after EOS
     assert (row[n:] == 0).all()
@@ -65,7 +65,8 @@ def test_same_rng_same_samples_and_greedy_is_deterministic(setup):
 
 def test_slots_that_do_not_divide_the_data_axis_are_refused(setup, pools):
   policy, _, _ = setup
-  with pytest.raises(UserError, match=r"rollout.slots=3 must be a positive multiple of pool 'rollout' batch axes \(2 ways\)"):
+  with pytest.raises(UserError,
+                     match=r"rollout.slots=3 must be a positive multiple of pool 'rollout' batch axes \(2 ways\)"):
     Engine(policy, pools["rollout"], TOK, max_new_tokens=8, slots=3)
 
 

@@ -3,12 +3,11 @@ import json
 import os
 
 import pytest
+from support import SMALL, load_config
 
 from jaxrl_hex import cli
 from jaxrl_hex.checkpoint import Checkpointer
 from jaxrl_hex.runtime import build_runtime
-
-from support import SMALL, load_config
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +28,8 @@ def test_generate_writes_one_line_per_sample_and_a_summary(run_dir, tmp_path, ca
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text('{"prompt": "12+30=", "id": "a"}\n{"prompt": "7+5=", "n": 3, "max_tokens": 2}\n')
   out = tmp_path / "out.jsonl"
-  assert cli.main(["generate", f"--workdir={run_dir}", f"--prompts={prompts}", f"--out={out}", "--samples=2",
-                   "--slots=4"]) == 0
+  assert cli.main(
+      ["generate", f"--workdir={run_dir}", f"--prompts={prompts}", f"--out={out}", "--samples=2", "--slots=4"]) == 0
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert sorted((str(r["id"]), r["sample"]) for r in rows) == [("1", 0), ("1", 1), ("1", 2), ("a", 0), ("a", 1)]
   for r in rows:

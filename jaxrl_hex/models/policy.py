@@ -1,0 +1,56 @@
+"""The policy's structure apart from its weights: models are pure functions over parameter
+pytrees, so jit, sharding and checkpoints see plain dicts."""
+import dataclasses
+import typing
+
+import jax
+from flax import nnx
+
+from jaxrl_hex.models.decoder import Decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """The model's structure (graphdef) plus each parameter's logical axes; params live outside."""
+  cfg: typing.Any
+  graphdef: typing.Any
+  abstract: typing.Any  # nnx.State of ShapeDtypeStruct leaves carrying `axes` metadata
+
+  @classmethod
+  def build(cls, cfg):
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    return cls(cfg, graphdef, abstract)
+
+  def shapes(self):
+    """Pure dict of ShapeDtypeStruct, the structure of every params pytree."""
+    return nnx.to_pure_dict(self.abstract)
+
+  def logical_axes(self):
+    """Pure dict of axis-name tuples, one per parameter."""
+    return nnx.to_pure_dict(
+        jax.tree.map(lambda v: v.get_metadata()["axes"], self.abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+  def init(self, seed: int, shardings=None):
+    """Fresh params, created directly in their shardings (never whole on one device)."""
+
+    def make():
+      return nnx.to_pure_dict(nnx.split(Decoder(self.cfg, nnx.Rngs(seed)))[1])
+
+    return jax.jit(make, out_shardings=shardings)()
+
+  def apply(self, params, tokens, positions, mask, cache=None, cache_index=0, key_positions=None, rope_tables=None):
+    """-> (logits [B, T, vocab] fp32, cache). key_positions [B, S], rope_tables: see models.decoder."""
+    return self.module(params)(tokens, positions, mask, cache, cache_index, key_positions, rope_tables)
+
+  def module(self, params) -> Decoder:
+    """The nnx Decoder holding `params` (no copy)."""
+    return nnx.merge(self.graphdef, self._with_values(params))
+
+  def _with_values(self, params):
+    state = jax.tree.map(lambda v: v, self.abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    nnx.replace_by_pure_dict(state, params)
+    return state
+
+
+def param_bytes(params) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
