@@ -39,10 +39,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl_hex.config import base_config, load_config_file  # noqa: E402
-from jaxrl_hex.models.policy import Policy  # noqa: E402
 from jaxrl_hex.models.config import model_config  # noqa: E402
+from jaxrl_hex.models.policy import Policy  # noqa: E402
 from jaxrl_hex.planner import calibrate as cal  # noqa: E402
 from jaxrl_hex.planner.catalog import CATALOG_PATH, EFFICIENCY_FIELDS, load_catalog  # noqa: E402
+from jaxrl_hex.rl.batch import TrainBatch  # noqa: E402
 from jaxrl_hex.rl.objectives import make_rl_loss  # noqa: E402
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer  # noqa: E402
 from jaxrl_hex.rollout import slots as S  # noqa: E402
@@ -95,12 +96,12 @@ def train_point(pool, name, seqs, seq_len, held_out) -> Point:
   trainer = Trainer(policy, pool, make_optimizer(cfg.optim, 1000), make_rl_loss(cfg.algo, 1.0), params)
   rng = np.random.default_rng(0)
   c_len = seq_len // 2
-  batch = dict(tokens=rng.integers(3, model["vocab_size"], (seqs, seq_len)).astype(np.int32), valid=np.ones(
+  batch = TrainBatch(tokens=rng.integers(3, model["vocab_size"], (seqs, seq_len)).astype(np.int32), valid=np.ones(
       (seqs, seq_len), bool), loss_mask=np.ones((seqs, c_len), bool), behav_logp=np.full(
           (seqs, c_len), -math.log(model["vocab_size"]), np.float32), rewards=rng.integers(0, 2,
                                                                                            seqs).astype(np.float32),
-               group_ids=np.repeat(np.arange(seqs // 8), 8).astype(np.int32), versions=np.zeros((seqs, c_len),
-                                                                                                np.int32))
+                     group_ids=np.repeat(np.arange(seqs // 8), 8).astype(np.int32), versions=np.zeros((seqs, c_len),
+                                                                                                      np.int32))
   record = dict(pool="train", name=f"{name} {seqs}x{seq_len}", held_out=held_out, **pool_fields(pool), model=model,
                 seq_len=seq_len, tokens_per_step=seqs * seq_len)
   return Point(record, lambda: trainer.step(batch))  # step() ends in a device_get of its metrics
@@ -109,10 +110,10 @@ def train_point(pool, name, seqs, seq_len, held_out) -> Point:
 def _rewind(state, start):
   """Every slot back to `start` cached tokens (ring columns [0, start)) so each call decodes
   over the same contexts; the cache's contents do not change the step's cost."""
-  slots, length = state["valid"].shape
+  slots, length = state.valid.shape
   full = lambda v: jnp.full((slots,), v, jnp.int32)
-  return dict(state, valid=jnp.broadcast_to(jnp.arange(length) < start, (slots, length)), t=jnp.int32(start),
-              pos=full(start), count=full(0))
+  return dataclasses.replace(state, valid=jnp.broadcast_to(jnp.arange(length) < start, (slots, length)),
+                             t=jnp.int32(start), pos=full(start), count=full(0))
 
 
 def rollout_point(pool, name, batch, context, held_out) -> Point:
@@ -134,15 +135,15 @@ def rollout_point(pool, name, batch, context, held_out) -> Point:
     return S.decode(policy, sampling, (-1,), DECODE_STEPS, length, params, state, live, rng, False)
 
   fn = jax.jit(calls, in_shardings=(param_shardings, state_shardings, replicated, replicated),
-               out_shardings=(state_shardings,) + (replicated,) * 5, donate_argnums=(1,))
+               out_shardings=(state_shardings, replicated), donate_argnums=(1,))
   params = jax.device_put(params, param_shardings)
-  state = dict(S.init_state(cfg, slots, length, cfg.dtype), max_new=jnp.full((slots,), 2**30))
+  state = dataclasses.replace(S.init_state(cfg, slots, length, cfg.dtype), max_new=jnp.full((slots,), 2**30))
   box = {"state": jax.device_put(state, state_shardings)}  # donated and replaced by every call
   live, rng = np.ones(slots, bool), jax.random.key(0)
 
   def run():
-    box["state"], *outputs = fn(params, box["state"], live, rng)
-    steps = jax.device_get(outputs)[-1]  # the engine fetches tokens, logprobs and flags every call too
+    box["state"], out = fn(params, box["state"], live, rng)
+    steps = jax.device_get(out).steps  # the engine fetches tokens, logprobs and flags every call too
     if steps != DECODE_STEPS:
       raise RuntimeError(f"decode ran {steps} steps, not {DECODE_STEPS}: a slot finished")
 

@@ -61,8 +61,8 @@ def bench_sync(repeats=3):
   import ray
 
   from jaxrl_hex import meshes
-  from jaxrl_hex.models.policy import Policy, param_bytes
   from jaxrl_hex.models.config import model_config
+  from jaxrl_hex.models.policy import Policy, param_bytes
   from jaxrl_hex.sync import make_sync
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
   pools = meshes.build_pools(meshes.load_mesh_file(os.path.join(ROOT, "meshes", "cpu-8.yaml")))

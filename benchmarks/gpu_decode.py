@@ -50,8 +50,8 @@ def main():
              "(the H200 image has jax + jax-cuda13-plugin) and rerun")
 
   from jaxrl_hex import meshes
-  from jaxrl_hex.models.policy import Policy, param_bytes
   from jaxrl_hex.models.config import model_config, param_count
+  from jaxrl_hex.models.policy import Policy, param_bytes
   from jaxrl_hex.rollout.engine import Engine, Request
 
   class Tok:  # token ids in, ids out: no text involved

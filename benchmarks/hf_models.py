@@ -49,8 +49,8 @@ def load(layers, hidden, vocab):
   import torch
   import transformers
 
-  from jaxrl_hex.models.policy import Policy
   from jaxrl_hex.models.hf import hf_model_config, load_params, save_hf
+  from jaxrl_hex.models.policy import Policy
   path = tempfile.mkdtemp()
   cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4,
                                  num_hidden_layers=layers, num_attention_heads=hidden // 64,

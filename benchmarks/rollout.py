@@ -82,8 +82,8 @@ def _our_policy():
   import jax
 
   from jaxrl_hex import meshes
-  from jaxrl_hex.models.policy import Policy
   from jaxrl_hex.models.config import model_config
+  from jaxrl_hex.models.policy import Policy
   pool = meshes.Pool(meshes.PoolSpec("rollout", (0,), {}, dict(meshes.DEFAULT_RULES)), jax.devices()[:1])
   policy = Policy.build(model_config(**MODEL))
   return pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
@@ -199,8 +199,9 @@ def main(argv=None):
     out = run_tunix(w, args.repeats)
   result = dict(workload=args.workload, engine=args.engine, new_tokens_per_s=out["new_tokens"] / out["seconds"], **out,
                 slots=w["slots"], jax=jax.__version__, device=str(jax.devices()[0].platform))
-  print(json.dumps(result) if args.json else f"{args.workload} {args.engine}: {result['new_tokens_per_s']:.0f} "
-        f"new tokens/s, compile {result['compile_s']:.1f}s")
+  print(
+      json.dumps(result) if args.json else f"{args.workload} {args.engine}: {result['new_tokens_per_s']:.0f} "
+      f"new tokens/s, compile {result['compile_s']:.1f}s")
   return 0
 
 

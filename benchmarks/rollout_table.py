@@ -32,8 +32,7 @@ def run(workload, engine, repeats):
 def table(results) -> str:
   rows = [
       "| workload | ours tok/s | naive tok/s | Tunix tok/s | ours / naive | ours / Tunix | target | compiles (ours) "
-      "| compile s (ours / naive / Tunix) |",
-      "|---|---|---|---|---|---|---|---|---|"
+      "| compile s (ours / naive / Tunix) |", "|---|---|---|---|---|---|---|---|---|"
   ]
   for w in WORKLOADS:
     r = {e: results[(w, e)] for e in ENGINES}

@@ -19,8 +19,9 @@ import numpy as np  # noqa: E402
 from train_vs_tunix import TINY, pools, trainer  # noqa: E402  (sets up 8 CPU devices)
 
 from jaxrl_hex.config import base_config  # noqa: E402
-from jaxrl_hex.models.policy import Policy  # noqa: E402
 from jaxrl_hex.models.config import model_config  # noqa: E402
+from jaxrl_hex.models.policy import Policy  # noqa: E402
+from jaxrl_hex.rl.batch import TrainBatch  # noqa: E402
 
 
 def heavy_tailed_batch(n=128, p=32, c=224, seed=0):
@@ -32,9 +33,10 @@ def heavy_tailed_batch(n=128, p=32, c=224, seed=0):
   for i in range(n):
     valid[i, p - prompt_lens[i]:p + completion_lens[i]] = True
   loss_mask = valid[:, p:]
-  return dict(tokens=tokens, valid=valid, loss_mask=loss_mask,
-              behav_logp=np.where(loss_mask, -6.0, 0).astype(np.float32), rewards=rng.normal(size=n).astype(np.float32),
-              group_ids=np.repeat(np.arange(n // 8), 8).astype(np.int32), versions=np.zeros((n, c), np.int32))
+  return TrainBatch(tokens=tokens, valid=valid, loss_mask=loss_mask, behav_logp=np.where(loss_mask, -6.0,
+                                                                                         0).astype(np.float32),
+                    rewards=rng.normal(size=n).astype(np.float32),
+                    group_ids=np.repeat(np.arange(n // 8), 8).astype(np.int32), versions=np.zeros((n, c), np.int32))
 
 
 def measure(batch, steps, **layout):
@@ -58,7 +60,7 @@ def main():
   ap.add_argument("--steps", type=int, default=3)
   args = ap.parse_args()
   batch = heavy_tailed_batch()
-  lengths = batch["valid"].sum(1)
+  lengths = batch.valid.sum(1)
   padded = measure(batch, args.steps, micro_batch_tokens=4096)
   packed = measure(batch, args.steps, micro_batch_tokens=4096, pack=True)
   ratio = packed["train_tokens_per_s"] / padded["train_tokens_per_s"]

@@ -33,8 +33,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from jaxrl_hex import meshes  # noqa: E402
 from jaxrl_hex.config import base_config  # noqa: E402
-from jaxrl_hex.models.policy import Policy  # noqa: E402
 from jaxrl_hex.models.config import model_config  # noqa: E402
+from jaxrl_hex.models.policy import Policy  # noqa: E402
+from jaxrl_hex.rl.batch import TrainBatch  # noqa: E402
 from jaxrl_hex.rl.objectives import make_rl_loss  # noqa: E402
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer  # noqa: E402
 
@@ -67,10 +68,11 @@ def ours_w3(seqs, prompt, completion, steps, share_prompts=True):
   tr = trainer(policy, pools()["train"], algo)
   rng = np.random.default_rng(0)
   n, width = seqs, prompt + completion
-  batch = dict(tokens=grpo_tokens(rng, n, prompt, completion), valid=np.ones((n, width), bool), loss_mask=np.ones(
+  batch = TrainBatch(tokens=grpo_tokens(rng, n, prompt, completion), valid=np.ones((n, width), bool), loss_mask=np.ones(
       (n, completion), bool), behav_logp=np.full((n, completion), -6.0,
                                                  np.float32), rewards=rng.normal(size=n).astype(np.float32),
-               group_ids=np.repeat(np.arange(n // 8), 8).astype(np.int32), versions=np.zeros((n, completion), np.int32))
+                     group_ids=np.repeat(np.arange(n // 8), 8).astype(np.int32), versions=np.zeros((n, completion),
+                                                                                                   np.int32))
   t0 = time.perf_counter()
   tr.step(batch)
   first = time.perf_counter() - t0

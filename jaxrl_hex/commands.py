@@ -1,16 +1,35 @@
-"""The train and sft commands: build the runtime and the pools' sides, run, summarise."""
+"""The train and sft commands: read the config and its overrides, build the runtime and the pools'
+sides, run, summarise.
+
+  jaxrl-hex train --config=configs/arith_grpo.py --config.train.steps=200 --workdir=runs/a
+  jaxrl-hex train --workdir=runs/a --resume
+"""
 import json
 import os
 import time
 
+import jax
+from absl import logging as absl_logging
+
+from jaxrl_hex import arguments
 from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
-from jaxrl_hex.cluster import build_sides
-from jaxrl_hex.config import resolve_path
+from jaxrl_hex.cluster import build_sides, check_config
+from jaxrl_hex.config import apply_overrides, load_config_file, resolve_path, write_run_config
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.gin_config import apply_gin
+from jaxrl_hex.meshes import prepare_cpu_devices
 from jaxrl_hex.metrics import Recorder
 from jaxrl_hex.models.hf import load_params
 from jaxrl_hex.orchestrator import Orchestrator
-from jaxrl_hex.runtime import build_runtime
+from jaxrl_hex.runtime import build_runtime, load_mesh
 from jaxrl_hex.sft import run_sft
+
+DEFAULT_CONFIG = "configs/arith_grpo.py"
+DESCRIPTIONS = {
+    "train": "Async RL on the train and rollout pools of a mesh file; warm-starts by SFT unless "
+             "--config.init_from names a workdir. Any config field: --config.SECTION.FIELD=VALUE.",
+    "sft": "Supervised training on a task's answers. Any config field: --config.SECTION.FIELD=VALUE.",
+}
 
 
 def _prepare_workdir(cfg, workdir, resume):
@@ -20,9 +39,7 @@ def _prepare_workdir(cfg, workdir, resume):
     raise CheckpointError(f"--resume: {workdir} has no checkpoint to resume from; drop --resume to start a new run")
   if not resume and has_ckpt:
     raise CheckpointError(f"{workdir} already holds a run; pass --resume to continue it or pick another --workdir")
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(cfg.to_json_best_effort(indent=2))
+  write_run_config(cfg, workdir)
   return ckpt_dir
 
 
@@ -35,6 +52,8 @@ def write_cluster(workdir, train, rollout):
 
 
 def sft(cfg, workdir, resume=False):
+  if resume:
+    raise UserError("sft --resume: a supervised run restarts from scratch; drop --resume or use a new --workdir")
   rt = build_runtime(cfg)
   ckpt_dir = _prepare_workdir(cfg, workdir, resume=False)
   recorder = Recorder(workdir, config=cfg)
@@ -50,6 +69,7 @@ def sft(cfg, workdir, resume=False):
 def train(cfg, workdir, resume=False):
   t0 = time.time()
   rt = build_runtime(cfg)
+  check_config(cfg)
   _prepare_workdir(cfg, workdir, resume)
   recorder = Recorder(workdir, append=resume, config=cfg)
   train_side, rollout_side = build_sides(rt, workdir, resume, recorder)
@@ -66,3 +86,64 @@ def train(cfg, workdir, resume=False):
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return summary
+
+
+def parser(name: str) -> arguments.Parser:
+  """The flags of train and sft; --config.SECTION.FIELD=VALUE overrides come on top."""
+  p = arguments.Parser(f"jaxrl-hex {name}", DESCRIPTIONS[name])
+  p.add_argument("--config", default=DEFAULT_CONFIG, help="config file whose get_config() returns the run config")
+  p.add_argument("--workdir", default=None, help="run directory (default runs/<command>-<time>)")
+  p.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
+  p.add_argument("--gin_file", action="append", default=[],
+                 help="gin file binding config fields (SECTION.FIELD = VALUE); repeatable")
+  p.add_argument("--gin_bindings", action="append", default=[],
+                 help="one gin binding, e.g. 'rollout.temperature = 0.7'; repeatable")
+  return p
+
+
+def config_overrides(unparsed: list[str]) -> list[tuple[str, str]]:
+  """['--config.a.b=1', '--config.c', 'x'] -> [('a.b', '1'), ('c', 'x')]; anything else is an error."""
+  out, args = [], list(unparsed)
+  while args:
+    arg = args.pop(0)
+    if not arg.startswith("--config."):
+      raise UserError(f"unrecognized argument {arg!r}; config fields are set as --config.SECTION.FIELD=VALUE")
+    key, eq, value = arg[len("--config."):].partition("=")
+    if not eq:
+      if not args:
+        raise UserError(f"--config.{key} needs a value: --config.{key}=VALUE")
+      value = args.pop(0)
+    out.append((key, value))
+  return out
+
+
+def _main(name, args, unparsed):
+  cfg = load_config_file(args.config)
+  apply_overrides(cfg, config_overrides(unparsed))
+  if args.gin_file or args.gin_bindings:  # gin binds onto the same ConfigDict, after the --config.* overrides
+    apply_gin(cfg, args.gin_file, args.gin_bindings)
+  cfg.lock()  # fields can change, none can appear: a typo in code fails like one on the command line
+  if args.resume and not args.workdir:
+    raise UserError("--resume needs --workdir=DIR, the run to continue")
+  workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  if os.environ.get("JAXRL_HEX_MULTIHOST"):  # set by `launch tpu`: the slice's hosts form one runtime
+    jax.distributed.initialize()
+  mesh_file = load_mesh(cfg)
+  if mesh_file.platform == "cpu" and mesh_file.num_devices:
+    prepare_cpu_devices(mesh_file.num_devices)
+  summary = (train if name == "train" else sft)(cfg, workdir, resume=args.resume)
+  if summary.get("wall_seconds") is not None and summary.get("eval_accuracy_end") is not None:
+    warm = summary.get("warmstart") or {}
+    before = warm.get("eval_accuracy_end", summary["eval_accuracy_start"])
+    print(f"held-out accuracy {before:.3f} -> {summary['eval_accuracy_end']:.3f} "
+          f"(warm start -> end of RL), wall time {summary['wall_seconds']:.0f}s")
+  print(f"workdir: {workdir}")
+
+
+def train_main(argv) -> int:
+  return arguments.run(parser("train"), lambda args, unparsed: _main("train", args, unparsed), argv, extras=True)
+
+
+def sft_main(argv) -> int:
+  return arguments.run(parser("sft"), lambda args, unparsed: _main("sft", args, unparsed), argv, extras=True)

@@ -1,18 +1,19 @@
-"""The run config: defaults for every field, and the checks that turn bad input into one line.
+"""The run config: defaults for every field, the checks of single fields, config files, command-line
+overrides and the config.json a run saves. A leaf: it imports nothing of jaxrl_hex but errors, specs
+and the model's shape defaults, so every layer can read it.
 
 Config files are Python (`get_config()` returns an ml_collections.ConfigDict built on
 base_config()); any field can be overridden on the command line as --config.a.b=value.
 """
+import ast
+import json
 import os
 
 import ml_collections
 
-from jaxrl_hex.errors import UserError
+from jaxrl_hex.errors import ConfigError
 from jaxrl_hex.models.config import DEFAULTS as MODEL_DEFAULTS
-
-
-class ConfigError(UserError):
-  """Bad user input; the message names the field and the fix."""
+from jaxrl_hex.specs import load_module
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -105,54 +106,98 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def validate(cfg, mesh_file=None, tokenizer=None):
-  """Checks that need no JAX; raises ConfigError with a one-line fix."""
-  r, a = cfg.rollout, cfg.algo
+def validate_fields(cfg, tokenizer=None):
+  """Checks of single fields (the cross-layer ones are runtime.validate's); raises ConfigError."""
   if cfg.train.max_staleness < 0:
     raise ConfigError("train.max_staleness must be >= 0 (0 = synchronous, on-policy RL)")
-  if r.temperature <= 0:
+  if cfg.rollout.temperature <= 0:
     raise ConfigError("rollout.temperature must be > 0 for RL sampling; greedy decoding is used for eval only")
-  from jaxrl_hex.rl.objectives import validate_algo
-  try:
-    validate_algo(cfg)
-  except UserError as e:
-    raise ConfigError(str(e)) from None
-  from jaxrl_hex.cluster import BACKENDS
-  from jaxrl_hex.sync import METHODS
-  if cfg.sync.method not in METHODS:
-    raise ConfigError(f"sync.method={cfg.sync.method!r}; use one of {METHODS}")
-  if cfg.cluster.backend not in BACKENDS:
-    raise ConfigError(f"cluster.backend={cfg.cluster.backend!r}; use one of {BACKENDS}")
-  if cfg.cluster.backend == "local" and cfg.sync.method == "direct":
-    raise ConfigError("sync.method=direct moves weights through Ray's object store; use it with "
-                      "--config.cluster.backend=ray, or device_put / orbax in one process")
-  if cfg.cluster.backend == "ray" and cfg.sync.method == "device_put":
-    raise ConfigError("sync.method=device_put needs both pools in one JAX runtime; with "
-                      "--config.cluster.backend=ray use orbax or direct")
   if tokenizer is not None and cfg.model.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                       f"{tokenizer.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size} or more")
-  if mesh_file is not None:
-    for role in ("train", "rollout"):
-      if role not in mesh_file.pools:
-        raise ConfigError(f"{mesh_file.path}: no '{role}' pool; add pools.{role} with devices and mesh")
-    n = r.prompts_per_step * r.group_size
-    for role, size, field in (("train", n, "rollout.prompts_per_step x rollout.group_size"),
-                              ("rollout", n, "rollout.prompts_per_step x rollout.group_size"),
-                              ("train", cfg.sft.batch_size, "sft.batch_size")):
-      ways = mesh_file.pools[role].batch_ways
-      if size % ways:
-        raise ConfigError(f"{field} = {size} does not divide the {role} pool's batch axes ({ways} ways); "
-                          f"pick a multiple of {ways}")
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
   """A config file's get_config(), as --config=path loads it."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("jaxrl_hex_config", resolve_path(path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = load_module(resolve_path(path), "--config")
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"--config: {path} has no get_config(); define one returning a ConfigDict built on "
+                      "jaxrl_hex.config.base_config()")
   return module.get_config()
+
+
+def apply_overrides(cfg, overrides):
+  """--config.a.b=value pairs (key "a.b", value as typed) onto cfg, each parsed as its field's type."""
+  for key, text in overrides:
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents + [leaf]:
+      if not hasattr(node, "keys") or part not in node:
+        raise ConfigError(unknown_key_message(cfg, key))
+      parent, node = node, node[part]
+    if isinstance(node, ml_collections.ConfigDict):
+      raise ConfigError(f"--config.{key} is a section, not a field; set its fields, e.g. "
+                        f"--config.{key}.{sorted(node.keys())[0]}=...")
+    try:
+      parent[leaf] = _parse(text, node)
+    except (TypeError, ValueError, SyntaxError):
+      raise ConfigError(f"--config.{key}={text!r} is not a {type(node).__name__} (the field's default is "
+                        f"{node!r})") from None
+
+
+def _parse(text: str, current):
+  """A command-line string as the type of the field's current value (strings stay as typed)."""
+  if isinstance(current, bool):
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if text.lower() not in words:
+      raise ValueError(text)
+    return words[text.lower()]
+  if isinstance(current, str):
+    return text
+  if isinstance(current, int):
+    return int(text)
+  if isinstance(current, float):
+    return float(text)
+  try:  # lists, tuples, dicts and None-valued fields: a Python literal, else the string itself
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    if current is None:
+      return text
+    raise
+
+
+def write_run_config(cfg, workdir: str):
+  """config.json in the workdir: the resolved config a run (or `convert --from-hf`) ran with."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(cfg.to_json_best_effort(indent=2))
+
+
+def config_from_json(text: str) -> ml_collections.ConfigDict:
+  """A config serialised with to_json_best_effort, on top of base_config() so fields added since
+  the run was saved get their defaults."""
+  cfg = base_config()
+  saved = json.loads(text)
+  _merge(cfg, saved)
+  return cfg
+
+
+def _merge(node, saved: dict):
+  for key, value in saved.items():
+    if isinstance(node.get(key), ml_collections.ConfigDict) and isinstance(value, dict):
+      _merge(node[key], value)
+    else:
+      with node.ignore_type():
+        node[key] = value
+
+
+def read_run_config(workdir: str, field: str = "--workdir") -> ml_collections.ConfigDict:
+  """The config a run in `workdir` saved (see write_run_config); `field` names the flag in errors."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ConfigError(f"{field}: {path} does not exist; point {field} at a train or sft run")
+  with open(path) as f:
+    return config_from_json(f.read())
 
 
 def unknown_key_message(cfg, key: str) -> str:

@@ -9,14 +9,20 @@
 `generate --workdir` and `convert --to-hf` all take it. --to-hf exports a run's latest (or --step)
 params with its source model's config.json fields and tokenizer files (the run's model_dir).
 """
-import argparse
-import json
 import os
-import sys
+
+import jax
+
+from jaxrl_hex import arguments, meshes
+from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
+from jaxrl_hex.config import base_config, read_run_config, resolve_path, write_run_config
+from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.hf import hf_model_config, load_params, save_hf
+from jaxrl_hex.models.policy import Policy
 
 
 def _parser():
-  ap = argparse.ArgumentParser(prog="jaxrl-hex convert", description=__doc__.splitlines()[0])
+  ap = arguments.Parser("jaxrl-hex convert", __doc__.splitlines()[0])
   way = ap.add_mutually_exclusive_group(required=True)
   way.add_argument("--from-hf", metavar="MODEL_DIR", help="a Hugging Face model directory to read")
   way.add_argument("--to-hf", metavar="WORKDIR", help="a train / sft run (or a --from-hf output) to export")
@@ -29,12 +35,6 @@ def _parser():
 
 
 def from_hf(model_dir: str, out: str, dtype=None, mesh_file=None):
-  import jax
-
-  from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
-  from jaxrl_hex.config import base_config, resolve_path
-  from jaxrl_hex.models.policy import Policy
-  from jaxrl_hex.models.hf import hf_model_config, load_params
   ckpt_dir = os.path.join(out, "checkpoints")
   if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
     raise CheckpointError(f"--out: {out} already holds checkpoints; pick an empty directory")
@@ -49,9 +49,7 @@ def from_hf(model_dir: str, out: str, dtype=None, mesh_file=None):
   params = load_params(model_dir, cfg, shardings)
   run = base_config()
   run.model, run.model_dir = cfg, model_dir
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "config.json"), "w") as f:
-    f.write(run.to_json_best_effort(indent=2))
+  write_run_config(run, out)
   checkpointer = Checkpointer(ckpt_dir, keep=1)
   checkpointer.save(0, {"params": params}, {"phase": "convert", "source": model_dir})
   checkpointer.close()
@@ -59,49 +57,30 @@ def from_hf(model_dir: str, out: str, dtype=None, mesh_file=None):
 
 
 def to_hf(workdir: str, out: str, dtype=None, step=None):
-  import jax
-
-  from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
-  from jaxrl_hex.config import resolve_path
-  from jaxrl_hex.models.policy import Policy
-  from jaxrl_hex.models.config import model_config
-  from jaxrl_hex.models.hf import save_hf
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise CheckpointError(f"--to-hf: {path} does not exist; point it at a train or sft run")
-  with open(path) as f:
-    run = json.load(f)
-  cfg = model_config(**run["model"])
+  run = read_run_config(workdir, "--to-hf")
+  cfg = model_config(**run.model)
   policy = Policy.build(cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   like = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), policy.shapes())
   params = Checkpointer(os.path.join(workdir, "checkpoints")).restore({"params": like}, step, with_meta=False)[0]
-  source = resolve_path(run["model_dir"]) if run.get("model_dir") else None
+  source = resolve_path(run.model_dir) if run.model_dir else None
   save_hf(cfg, params["params"], out, source, dtype)
   print(f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}) loads it")
 
 
 def _train_pool(mesh_file):
-  from jaxrl_hex import meshes
-  from jaxrl_hex.config import resolve_path
   spec = meshes.load_mesh_file(resolve_path(mesh_file))
   if spec.platform == "cpu" and spec.num_devices:
     meshes.prepare_cpu_devices(spec.num_devices)
   return meshes.Pool(spec.pools["train"])
 
 
+def _convert(args):
+  if args.from_hf:
+    from_hf(args.from_hf, args.out, args.dtype, args.mesh_file)
+  else:
+    to_hf(args.to_hf, args.out, args.dtype, args.step)
+
+
 def main(argv) -> int:
-  from jaxrl_hex.errors import UserError
-  try:
-    args = _parser().parse_args(argv)
-  except SystemExit as e:  # argparse printed its usage line
-    return e.code if isinstance(e.code, int) else 2
-  try:
-    if args.from_hf:
-      from_hf(args.from_hf, args.out, args.dtype, args.mesh_file)
-    else:
-      to_hf(args.to_hf, args.out, args.dtype, args.step)
-  except UserError as e:
-    print(f"jaxrl-hex: error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  return arguments.run(_parser(), _convert, argv)

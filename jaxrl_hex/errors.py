@@ -6,6 +6,10 @@ class UserError(ValueError):
   pass
 
 
+class ConfigError(UserError):
+  """A config field that cannot work; the message names the field and the fix."""
+
+
 class RunStopped(RuntimeError):
   """A run that cannot go on but can be continued (a train process was lost): the CLI prints the
   message, which says how to resume, as one line and exits 3."""

@@ -18,7 +18,8 @@ import os
 import gin
 import ml_collections
 
-from jaxrl_hex.config import ConfigError, resolve_path, unknown_key_message
+from jaxrl_hex.config import resolve_path, unknown_key_message
+from jaxrl_hex.errors import ConfigError
 
 MODULE = "jaxrl_hex.config"
 _CONFIGURABLES = {}  # dotted section path ("" = top level) -> gin configurable returning its bindings

@@ -8,21 +8,38 @@ layout is a new table in the mesh file, never new code.
 import dataclasses
 import os
 
+import jax
+import numpy as np
 import yaml
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_hex.errors import UserError
 
-# Logical axis -> mesh axes, in priority order. Axes missing from a pool's mesh are dropped.
+# Logical axis -> mesh axes, in priority order. Axes missing from a pool's mesh are dropped. Each
+# use of the model dimension has its own name, so a layout can shard the embedding table, the
+# attention projections, the MLP and the output head differently.
 DEFAULT_RULES = {
     "batch": ("data", "fsdp"),
-    "embed": ("fsdp",),
-    "vocab": ("tensor",),
+    "vocab_in": ("tensor",),  # embedding table rows
+    "embed_in": ("fsdp",),  # embedding table columns (the model dimension)
+    "qkv_embed": ("fsdp",),  # model dimension of the q, k, v projections
+    "o_embed": ("fsdp",),  # model dimension of the attention output projection
+    "mlp_up_embed": ("fsdp",),  # model dimension of the gate and up projections
+    "mlp_down_embed": ("fsdp",),  # model dimension of the down projection
+    "embed_out": ("fsdp",),  # model dimension of the output head
+    "vocab_out": ("tensor",),  # output head columns
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "head_dim": (),
     "norm": (),
     "length": (),
+}
+# A mesh file's `rules:` may set a group at once: `embed` is every model-dimension name above.
+RULE_GROUPS = {
+    "embed": ("embed_in", "qkv_embed", "o_embed", "mlp_up_embed", "mlp_down_embed", "embed_out"),
+    "vocab": ("vocab_in", "vocab_out"),
 }
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -46,11 +63,17 @@ class PoolSpec:
   groups: tuple = ()  # rollout replicas of differing type / TP degree, as the planner writes them
 
   def partition_spec(self, logical_axes, shape=None, what="array"):
-    """Logical axis names -> PartitionSpec over this pool's mesh; checks that each dim divides."""
-    from jax.sharding import PartitionSpec
-    parts, used = [], set()
+    """Logical axis names -> PartitionSpec over this pool's mesh; checks that each dim divides and
+    that no mesh axis shards two dims of one array."""
+    parts, used = [], {}  # mesh axis -> the dim (index, logical name) it already shards
     for i, name in enumerate(logical_axes):
-      mesh_axes = tuple(a for a in self.rules.get(name, ()) if a in self.axes and a not in used)
+      mesh_axes = tuple(a for a in self.rules.get(name, ()) if a in self.axes)
+      for a in mesh_axes:
+        if a in used:
+          j, other = used[a]
+          raise MeshError(f"pools.{self.name}: {what} dims {j} ('{other}') and {i} ('{name}') both map to mesh "
+                          f"axis '{a}'; a mesh axis shards one dim of an array: change the rule for '{name}' or "
+                          f"'{other}' in the mesh file's rules")
       if shape is not None and mesh_axes:
         n = 1
         for a in mesh_axes:
@@ -58,13 +81,12 @@ class PoolSpec:
         if shape[i] % n:
           raise MeshError(f"pools.{self.name}: {what} dim {i} ('{name}', size {shape[i]}) does not divide over mesh "
                           f"axes {mesh_axes} (size {n}); change the mesh or the rule for '{name}' in the mesh file")
-      used.update(mesh_axes)
+      used.update({a: (i, name) for a in mesh_axes})
       parts.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
     return PartitionSpec(*parts)
 
   def check_shardable(self, axes_tree, shapes_tree):
     """Every parameter divides over this pool's mesh (no devices needed, so drivers check too)."""
-    import jax
     paths = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shapes_tree)}
     for p, ax in jax.tree_util.tree_leaves_with_path(axes_tree, is_leaf=lambda x: isinstance(x, tuple)):
       self.partition_spec(ax, paths[jax.tree_util.keystr(p)].shape, jax.tree_util.keystr(p))
@@ -115,9 +137,7 @@ def load_mesh_file(path: str) -> MeshFile:
       what = "its replica groups use" if groups else f"mesh {axes} has"
       raise MeshError(f"{path}: pools.{name}.{'replicas' if groups else 'mesh'}: {what} {size} devices but the "
                       f"pool lists {len(ids)}; make the sizes multiply to the device count")
-    rules = dict(DEFAULT_RULES)
-    for k, v in (p.get("rules") or {}).items():
-      rules[k] = tuple([v] if isinstance(v, str) else (v or ()))
+    rules = _rules(path, name, p.get("rules") or {})
     processes = int(p.get("processes", 1))
     replicas = sum(g["count"] for g in groups) if groups else int(p.get("replicas", 1))
     if len(ids) % processes:
@@ -135,6 +155,22 @@ def load_mesh_file(path: str) -> MeshFile:
     raise MeshError(f"{path}: pools share devices {shared}; give each pool its own devices, or set "
                     "share_devices: true (one accelerator: both pools on it, weights held twice)")
   return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools)
+
+
+def _rules(path, pool, overrides: dict) -> dict:
+  """DEFAULT_RULES with a pool's overrides (`name: mesh axis | [axes] | null`, names or RULE_GROUPS)."""
+  rules = dict(DEFAULT_RULES)
+  for key, value in overrides.items():
+    if key not in rules and key not in RULE_GROUPS:
+      raise MeshError(f"{path}: pools.{pool}.rules.{key}: unknown logical axis; use one of "
+                      f"{sorted(DEFAULT_RULES)} or a group {sorted(RULE_GROUPS)}")
+    mesh_axes = tuple([value] if isinstance(value, str) else (value or ()))
+    bad = [a for a in mesh_axes if a not in MESH_AXES]
+    if bad:
+      raise MeshError(f"{path}: pools.{pool}.rules.{key} names unknown mesh axes {bad}; use names from {MESH_AXES}")
+    for name in RULE_GROUPS.get(key, (key,)):
+      rules[name] = mesh_axes
+  return rules
 
 
 def _size(axes) -> int:
@@ -156,7 +192,6 @@ def _replica_groups(path, name, replicas) -> list:
 
 def prepare_cpu_devices(n: int):
   """Ask for n simulated CPU devices; must run before JAX initialises its backends."""
-  import jax
   try:
     jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices or 1))
   except RuntimeError:  # JAX already started (a notebook): keep what it has
@@ -170,9 +205,6 @@ class Pool:
   """One role's devices and mesh; places pytrees of logical axes as NamedShardings."""
 
   def __init__(self, spec: PoolSpec, devices=None):
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
     available = devices if devices is not None else jax.devices()
     if max(spec.device_ids) >= len(available):
       raise MeshError(f"pools.{spec.name} needs device ids up to {max(spec.device_ids)} but only {len(available)} "
@@ -195,19 +227,16 @@ class Pool:
     return self.spec.partition_spec(logical_axes, shape, what)
 
   def sharding(self, logical_axes, shape=None, what="array"):
-    from jax.sharding import NamedSharding
     return NamedSharding(self.mesh, self.partition_spec(logical_axes, shape, what))
 
   def shardings_for(self, axes_tree, shapes_tree):
     """Pytrees of logical axes and ShapeDtypeStructs -> pytree of NamedShardings."""
-    import jax
     paths = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shapes_tree)}
     return jax.tree_util.tree_map_with_path(
         lambda p, ax: self.sharding(ax, paths[jax.tree_util.keystr(p)].shape, jax.tree_util.keystr(p)), axes_tree,
         is_leaf=lambda x: isinstance(x, tuple))
 
   def replicated(self):
-    from jax.sharding import NamedSharding, PartitionSpec
     return NamedSharding(self.mesh, PartitionSpec())
 
   @property
@@ -230,8 +259,6 @@ def build_pools(mesh_file: MeshFile, devices=None) -> dict:
 def to_host(tree):
   """device_get that also works in a multi-process runtime, where arrays sharded over other
   processes' devices are gathered (a collective: every process of the runtime must call it)."""
-  import jax
-  from jax.experimental import multihost_utils
   if jax.process_count() == 1:
     return jax.device_get(tree)
   return jax.tree.map(
@@ -239,7 +266,6 @@ def to_host(tree):
       if getattr(x, "is_fully_addressable", True) else multihost_utils.process_allgather(x, tiled=True), tree)
 
 
-def local_device(pool) -> "jax.Device":
+def local_device(pool) -> jax.Device:
   """A device of `pool` that this process owns (for queries like memory_stats)."""
-  import jax
   return next(d for d in pool.devices if d.process_index == jax.process_index())

@@ -12,6 +12,13 @@ import sys
 import threading
 import time
 
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from tensorboardX import SummaryWriter
+
 from jaxrl_hex.errors import UserError
 
 TB_DIR = "tb"
@@ -32,7 +39,6 @@ class Recorder:
     self._wandb = _start_wandb(workdir, config, append) if log.get("wandb_project") else None
     self._tb = None
     if log.get("tensorboard", True):
-      from tensorboardX import SummaryWriter
       # flush often enough that `tensorboard --logdir WORKDIR/tb` follows a live run
       self._tb = SummaryWriter(os.path.join(workdir, TB_DIR), flush_secs=10)
     # appends even on a fresh run (truncated first): a Ray train worker appends its warm-start rows
@@ -172,8 +178,6 @@ class Progress:
     self._printed = 0  # the step of the last plain line
     self.live = None
     if not self.quiet and self.stream.isatty():
-      from rich.console import Console
-      from rich.live import Live
       self.live = Live(self._render(), console=Console(file=self.stream), refresh_per_second=4)
       self.live.start()
 
@@ -228,10 +232,6 @@ class Progress:
     return " | ".join([" ".join(head)] + [f"{label} {text}" for label, text in self.figures()])
 
   def _render(self):
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
     step = self.last.get("step", 0)
     rate = self.rate()
     grid = Table.grid(padding=(0, 2))

@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from jaxrl_hex.data.prompts import PromptStream
+from jaxrl_hex.data.rollouts import decode_completions
 from jaxrl_hex.evaluation import score
 from jaxrl_hex.metrics import Progress
 from jaxrl_hex.rl.batch import rl_batch
@@ -24,14 +25,13 @@ from jaxrl_hex.tasks.scoring import RewardScorer
 
 class Orchestrator:
 
-  def __init__(self, rt, train, rollout, recorder, on_restart=None):
+  def __init__(self, rt, train, rollout, recorder):
     cfg = rt.cfg
     self.rt, self.cfg, self.train, self.rollout, self.recorder = rt, cfg, train, rollout, recorder
-    self.eta = cfg.train.max_staleness
     self.total_steps = cfg.train.steps
     meta = train.meta
     self.next_batch = meta.get("next_batch", 0)
-    self.buffer = Buffer(self.eta, train.version, next_batch=self.next_batch)
+    self.buffer = Buffer(cfg.train.max_staleness, train.version, next_batch=self.next_batch)
     self.stream = PromptStream(rt.task.train, cfg.rollout.prompts_per_step, seed=cfg.seed)
     if meta.get("data_state") is not None:
       self.stream.set_state(meta["data_state"])
@@ -73,8 +73,7 @@ class Orchestrator:
     t1 = time.time()
     if generated is not None:
       generated()  # the replica takes the next batch while this one is scored
-    tok = self.rt.tokenizer
-    completions = [tok.decode(row[m]) for row, m in zip(rollout.completion, rollout.completion_mask)]
+    completions = decode_completions(self.rt.tokenizer, rollout)
     rollout.rewards = self.scorer([r["prompt"] for r in records for _ in range(group)], completions,
                                   [r["answer"] for r in records for _ in range(group)])
     return rollout, receive_span, t1
@@ -106,12 +105,10 @@ class Orchestrator:
       t2 = time.time()
       if receive_span is not None:
         self.recorder.span("rollout", "sync", *receive_span, version=handle.version)
-      version = int(rollout.versions[rollout.completion_mask].min())
-      self.recorder.span("rollout", "generate", t0, t1, batch=k, version=version)
+      self.recorder.span("rollout", "generate", t0, t1, batch=k, version=int(rollout.oldest_versions().min()))
       self.recorder.span("rollout", "reward", t1, t2, batch=k)
-      item = Item(k, rollout, data_state, version)
-      item.stats = {"rollout_tokens_per_s": rollout.num_tokens / max(t1 - t0, 1e-9), **stats}
-      self.buffer.put(item)
+      stats = {"rollout_tokens_per_s": rollout.num_tokens / max(t1 - t0, 1e-9), **stats}
+      self.buffer.put(Item(k, rollout, data_state, stats))
     except Closed:
       pass
     except BaseException as e:
@@ -144,8 +141,8 @@ class Orchestrator:
     try:
       for step in range(start_step, self.total_steps):
         t0 = time.time()
-        item, _ = self.buffer.take()
-        row = self._train_on(item, step, t0)
+        item, staleness = self.buffer.take()
+        row = self._train_on(item, staleness, step, t0)
         if (step + 1) % cfg.train.eval_every == 0 or step + 1 == self.total_steps:
           acc = row["eval_accuracy"] = self._eval()
         if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == self.total_steps:
@@ -178,11 +175,9 @@ class Orchestrator:
                      f"{summary['steps']} RL steps in {seconds:.0f}s")
     return summary
 
-  def _train_on(self, item, step, t_wait):
+  def _train_on(self, item, staleness, step, t_wait):
+    """A train step on a batch from Buffer.take, with its samples' staleness [N] -> the metrics row."""
     train, ro = self.train, item.rollout
-    # per-sample staleness: trainer version minus the oldest version among its tokens
-    oldest = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max).min(axis=1)
-    staleness = train.version - oldest
     t0 = time.time()
     m = train.step(rl_batch(ro))
     t1 = time.time()

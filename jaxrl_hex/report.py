@@ -4,14 +4,16 @@ Reads what every run writes (metrics.jsonl, spans.jsonl, config.json), so it wor
 runs, runs still going, and resumed runs alike. Several workdirs share each figure, one colour
 per run, so runs compare at a glance.
 """
-import argparse
 import dataclasses
 import json
 import os
 import time
+import typing
 
 import numpy as np
 
+from jaxrl_hex import arguments
+from jaxrl_hex.config import read_run_config
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.metrics import read_jsonl
 
@@ -33,7 +35,7 @@ class Run:
   workdir: str
   rows: list  # the RL phase (or the last phase, for an sft-only run), one row per step
   spans: list
-  config: dict
+  config: typing.Any  # the run's ConfigDict, None if it saved none
   phases: dict  # phase -> its rows, for the summary
 
   def series(self, key):
@@ -58,8 +60,7 @@ def load_run(workdir: str, label: str) -> Run:
     r["rl_s"] = r["wall_s"] - rows[0]["wall_s"]
   spans_path = os.path.join(workdir, "spans.jsonl")
   spans = read_jsonl(spans_path) if os.path.exists(spans_path) else []
-  config_path = os.path.join(workdir, "config.json")
-  config = json.load(open(config_path)) if os.path.exists(config_path) else {}
+  config = read_run_config(workdir) if os.path.exists(os.path.join(workdir, "config.json")) else None
   return Run(label, workdir, rows, spans, config, phases)
 
 
@@ -130,7 +131,7 @@ def _staleness_figure(runs, path):
   for i, (run, hist) in enumerate(zip(runs, hists)):
     total = sum(hist.values())
     if total:
-      eta = run.config.get("train", {}).get("max_staleness")
+      eta = (run.config.train.max_staleness if run.config else None)
       ax.bar([v + (i - (len(runs) - 1) / 2) * width for v in values], [hist.get(v, 0) / total for v in values], width,
              color=colors[run.label], label=run.label + ("" if eta is None else f" (η={eta})"))
   if values:
@@ -250,7 +251,7 @@ def summarize(run: Run) -> dict:
       "reward_last10": stat("reward_mean", lambda v: v[-10:].mean()),
       "staleness_mean": sum(v * c for v, c in hist.items()) / n if n else None,
       "staleness_max": max(hist) if hist else None,
-      "max_staleness": run.config.get("train", {}).get("max_staleness"),
+      "max_staleness": (run.config.train.max_staleness if run.config else None),
       "rollout_tokens_per_s": stat("rollout_tokens_per_s", np.median),
       "train_tokens_per_s": stat("train_tokens_per_s", np.median),
       "sync_ms": stat("sync_seconds", lambda v: 1e3 * np.median(v)),
@@ -274,13 +275,12 @@ def markdown(runs, summaries, figures, command) -> str:
   ]
   for run, s in zip(runs, summaries):
     busy = ", ".join(f"{pool} {share:.0%}" for pool, share in s["busy"].items()) or "–"
-    lines.append(
-        f"| {run.label} | {s['steps']} | {_fmt(s['eval_accuracy_start'])} → {_fmt(s['eval_accuracy_end'])} "
-        f"({_fmt(s['eval_accuracy_best'])}) | {_fmt(s['reward_first10'])} → {_fmt(s['reward_last10'])} | "
-        f"{_fmt(s['staleness_mean'], '{:.2f}')} / {_fmt(s['staleness_max'], '{}')} "
-        f"({_fmt(s['max_staleness'], '{}')}) | "
-        f"{_fmt(s['rollout_tokens_per_s'], '{:,.0f}')} | {_fmt(s['train_tokens_per_s'], '{:,.0f}')} | "
-        f"{_fmt(s['sync_ms'], '{:.1f}')} | {_fmt(s['rl_seconds'], '{:.0f}')} | {busy} |")
+    lines.append(f"| {run.label} | {s['steps']} | {_fmt(s['eval_accuracy_start'])} → {_fmt(s['eval_accuracy_end'])} "
+                 f"({_fmt(s['eval_accuracy_best'])}) | {_fmt(s['reward_first10'])} → {_fmt(s['reward_last10'])} | "
+                 f"{_fmt(s['staleness_mean'], '{:.2f}')} / {_fmt(s['staleness_max'], '{}')} "
+                 f"({_fmt(s['max_staleness'], '{}')}) | "
+                 f"{_fmt(s['rollout_tokens_per_s'], '{:,.0f}')} | {_fmt(s['train_tokens_per_s'], '{:,.0f}')} | "
+                 f"{_fmt(s['sync_ms'], '{:.1f}')} | {_fmt(s['rl_seconds'], '{:.0f}')} | {busy} |")
   lines.append("")
   for run, s in zip(runs, summaries):
     if s["warm_start_steps"] is not None:
@@ -314,22 +314,16 @@ def render(workdirs, out, command="jaxrl-hex report") -> dict:
   return {"figures": [os.path.join(out, name) for name in FIGURES], "markdown": md}
 
 
+def _report(args, argv):
+  out = args.out or (os.path.join(args.workdirs[0], "report") if len(args.workdirs) == 1 else os.path.join(
+      "runs", f"report-{time.strftime('%Y%m%d-%H%M%S')}"))
+  result = render(args.workdirs, out, "jaxrl-hex report " + " ".join(argv))
+  print(f"report: {result['markdown']}")
+
+
 def main(argv) -> int:
-  from jaxrl_hex.cli import _fail
-  ap = argparse.ArgumentParser(prog="jaxrl-hex report",
-                               description="Figures and a markdown summary of one run, or several compared.")
+  ap = arguments.Parser("jaxrl-hex report", "Figures and a markdown summary of one run, or several compared.")
   ap.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="run directories (with metrics.jsonl)")
   ap.add_argument("--out", help="output folder (default: WORKDIR/report for one run, "
                   "runs/report-<time> for several)")
-  try:
-    args = ap.parse_args(argv)
-  except SystemExit as e:  # argparse printed its usage line
-    return e.code if isinstance(e.code, int) else 2
-  out = args.out or (os.path.join(args.workdirs[0], "report") if len(args.workdirs) == 1 else os.path.join(
-      "runs", f"report-{time.strftime('%Y%m%d-%H%M%S')}"))
-  try:
-    result = render(args.workdirs, out, "jaxrl-hex report " + " ".join(argv))
-  except UserError as e:
-    return _fail(str(e))
-  print(f"report: {result['markdown']}")
-  return 0
+  return arguments.run(ap, lambda args: _report(args, argv), argv)

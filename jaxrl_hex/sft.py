@@ -45,14 +45,7 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
     recorder.log(row)
     progress.update(step, row)
   if checkpointer is not None:
-    checkpointer.save(step, {
-        "params": trainer.params,
-        "opt_state": trainer.opt_state
-    }, {
-        "phase": phase,
-        "step": step,
-        "eval_accuracy": accuracy
-    })
+    checkpointer.save(step, trainer.state(), {"phase": phase, "step": step, "eval_accuracy": accuracy})
     checkpointer.wait()
   summary = {
       "steps": step,

@@ -6,8 +6,8 @@ import optax
 import pytest
 
 from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
-from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.policy import Policy
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 

@@ -107,3 +107,20 @@ def test_kill_and_resume_continues_with_the_same_batches_and_losses(tmp_path, wa
     assert r["loss"] == pytest.approx(want["loss"], abs=1e-6)
     assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert r["reward_mean"] == want["reward_mean"]
+
+
+def test_every_command_shares_help_errors_and_exit_codes(capsys):
+  for name in cli.COMMANDS:
+    assert cli.main([name, "--help"]) == 0, name
+    assert capsys.readouterr().out.startswith(f"usage: jaxrl-hex {name}"), name
+    err = _error(capsys, [name, "--no-such-flag"])
+    assert "--no-such-flag" in err or f"{name}:" in err or "launch needs" in err, err
+  assert cli.main(["--version"]) == 0 and capsys.readouterr().out.startswith("jaxrl-hex ")
+  assert "unknown command 'trian'" in _error(capsys, ["trian"])
+
+
+def test_config_overrides_parse_as_their_field_and_name_it(capsys, tmp_path):
+  err = _error(capsys, ["train", f"--workdir={tmp_path}", "--config.train.steps=many"])
+  assert err == "jaxrl-hex: error: --config.train.steps='many' is not a int (the field's default is 400)"
+  err = _error(capsys, ["sft", f"--workdir={tmp_path}", "--config.sft.max_steps"])
+  assert "--config.sft.max_steps needs a value" in err

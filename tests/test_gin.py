@@ -7,7 +7,7 @@ import pytest
 from support import ROOT, SMALL, load_config
 
 from jaxrl_hex import cli
-from jaxrl_hex.config import ConfigError
+from jaxrl_hex.errors import ConfigError
 from jaxrl_hex.gin_config import apply_gin
 
 # one binding per configurable part: task, engine, loss, optimiser, loop, sync, sinks (model: below)

@@ -22,8 +22,8 @@ def test_cpu8_pools_have_different_layouts(pools):
 
 
 def test_rules_table_maps_logical_axes_and_drops_missing_mesh_axes(pools):
-  assert tuple(pools["train"].partition_spec(("vocab", "embed"))) == ("tensor", "fsdp")
-  assert tuple(pools["rollout"].partition_spec(("vocab", "embed"))) == ("tensor", None)
+  assert tuple(pools["train"].partition_spec(("vocab_in", "embed_in"))) == ("tensor", "fsdp")
+  assert tuple(pools["rollout"].partition_spec(("vocab_in", "embed_in"))) == ("tensor", None)
   assert tuple(pools["rollout"].partition_spec(("batch", "length"))) == ("data", None)
 
 
@@ -32,7 +32,30 @@ def test_a_new_layout_is_a_new_table(tmp_path):
       tmp_path, "num_devices: 8\npools:\n  train:\n    devices: 4\n    mesh: {fsdp: 4}\n"
       "    rules: {vocab: fsdp, embed: null}\n  rollout: {devices: 4, mesh: {data: 4}}\n")
   pool = meshes.build_pools(meshes.load_mesh_file(path))["train"]
-  assert tuple(pool.partition_spec(("vocab", "embed"))) == ("fsdp", None)
+  assert tuple(pool.partition_spec(("vocab_in", "embed_in"))) == ("fsdp", None)
+
+
+def test_each_use_of_the_model_dimension_has_its_own_rule(tmp_path):
+  """The embedding table can stay whole while the projections shard (one name per use)."""
+  path = _write(
+      tmp_path, "num_devices: 8\npools:\n  train:\n    devices: 4\n    mesh: {fsdp: 4}\n"
+      "    rules: {embed_in: null, vocab_out: fsdp, embed_out: null}\n  rollout: {devices: 4, mesh: {data: 4}}\n")
+  pool = meshes.build_pools(meshes.load_mesh_file(path))["train"]
+  assert tuple(pool.partition_spec(("vocab_in", "embed_in"))) == (None, None)
+  assert tuple(pool.partition_spec(("qkv_embed", "heads", "head_dim"))) == ("fsdp", None, None)
+  assert tuple(pool.partition_spec(("embed_out", "vocab_out"))) == (None, "fsdp")
+
+
+def test_a_mesh_axis_used_twice_in_one_array_is_refused(tmp_path):
+  path = _write(
+      tmp_path, "num_devices: 8\npools:\n  train:\n    devices: 4\n    mesh: {fsdp: 2, tensor: 2}\n"
+      "    rules: {mlp: fsdp}\n  rollout: {devices: 4, mesh: {data: 4}}\n")
+  pool = meshes.build_pools(meshes.load_mesh_file(path))["train"]
+  with pytest.raises(MeshError, match=r"pools.train: w1 dims 0 \('mlp_up_embed'\) and 1 \('mlp'\) both map to "
+                     "mesh axis 'fsdp'"):
+    pool.partition_spec(("mlp_up_embed", "mlp"), what="w1")
+  with pytest.raises(MeshError, match=r"pools.train.rules.embeding: unknown logical axis"):
+    meshes.load_mesh_file(_write(tmp_path, "pools:\n  train: {devices: 4, mesh: {fsdp: 4}, rules: {embeding: null}}\n"))
 
 
 def test_bad_mesh_files_name_the_field(tmp_path):
@@ -54,7 +77,7 @@ def test_pool_beyond_the_devices_and_dims_that_do_not_divide(tmp_path, pools):
   with pytest.raises(MeshError, match="only 8 cpu devices exist"):
     meshes.build_pools(spec)
   with pytest.raises(MeshError, match=r"dim 0 \('heads', size 3\) does not divide over mesh axes \('tensor',\)"):
-    pools["train"].partition_spec(("heads", "embed"), shape=(3, 64))
+    pools["train"].partition_spec(("heads", "qkv_embed"), shape=(3, 64))
 
 
 MESH_FILES = sorted(f for f in os.listdir(os.path.join(ROOT, "meshes")) if not f.startswith("cluster-"))

@@ -2,7 +2,7 @@
 
 Vocabulary padded to 152064 rows as in the released checkpoint.
 """
-from jaxrl_hex.models.config import kv_bytes_per_token, model_config, param_count  # noqa: F401
+from jaxrl_hex.models.config import model_config
 
 
 def get_config():

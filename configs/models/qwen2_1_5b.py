@@ -1,5 +1,5 @@
 """Qwen2-1.5B shapes (Qwen/Qwen2-1.5B config.json): ~1.54B parameters, tied embeddings."""
-from jaxrl_hex.models.config import kv_bytes_per_token, model_config, param_count  # noqa: F401
+from jaxrl_hex.models.config import model_config
 
 
 def get_config():

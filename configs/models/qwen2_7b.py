@@ -3,7 +3,7 @@
 The released checkpoint pads the vocabulary to 152064 rows (151936 real tokens), so the
 embedding shape matches its safetensors.
 """
-from jaxrl_hex.models.config import kv_bytes_per_token, model_config, param_count  # noqa: F401
+from jaxrl_hex.models.config import model_config
 
 
 def get_config():

@@ -7,11 +7,10 @@ existing Ray cluster.
 On a pod slice every worker runs the same command and JAX finds its peers by itself
 (jax.distributed.initialize() reads the TPU metadata), so the command is the same on each.
 """
-import argparse
 import shlex
 import subprocess
-import sys
 
+from jaxrl_hex import arguments
 from jaxrl_hex.errors import UserError
 
 # chips per host of multi-host slices ("v5litepod" is v5e's accelerator-type name)
@@ -46,12 +45,8 @@ def ray_command(address, command, working_dir) -> list[str]:
   return ["ray", "job", "submit", f"--address={address}", f"--working-dir={working_dir}", "--", "jaxrl-hex", *command]
 
 
-def main(argv) -> int:
-  if "--" not in argv:
-    print("jaxrl-hex: error: launch needs `-- COMMAND`, e.g. launch tpu ... -- train --config=...", file=sys.stderr)
-    return 2
-  split = argv.index("--")
-  parser = argparse.ArgumentParser(prog="jaxrl-hex launch")
+def _parser():
+  parser = arguments.Parser("jaxrl-hex launch", "Run a jaxrl-hex command on a TPU pod slice or a Ray cluster.")
   sub = parser.add_subparsers(dest="target", required=True)
   tpu = sub.add_parser("tpu", help="every worker of a TPU VM pod slice")
   tpu.add_argument("--name", required=True)
@@ -64,19 +59,24 @@ def main(argv) -> int:
   ray.add_argument("--address", required=True, help="the Ray dashboard / jobs address, e.g. http://HEAD:8265")
   ray.add_argument("--working-dir", default=".")
   ray.add_argument("--dry-run", action="store_true")
-  args = parser.parse_args(argv[:split])
-  command = argv[split + 1:]
-  try:
-    if args.target == "tpu":
-      commands = tpu_commands(args.name, args.zone, args.accelerator_type, args.project, command, args.repo_dir)
-    else:
-      commands = [ray_command(args.address, command, args.working_dir)]
-  except UserError as e:
-    print(f"jaxrl-hex: error: {e}", file=sys.stderr)
-    return 2
+  return parser
+
+
+def _launch(args, command) -> int:
+  if args.target == "tpu":
+    commands = tpu_commands(args.name, args.zone, args.accelerator_type, args.project, command, args.repo_dir)
+  else:
+    commands = [ray_command(args.address, command, args.working_dir)]
   if args.dry_run:
     for c in commands:
       print(shlex.join(c))
     return 0
   procs = [subprocess.Popen(c) for c in commands]  # the workers run together, not one after another
   return max(p.wait() for p in procs)
+
+
+def main(argv) -> int:
+  split = argv.index("--") if "--" in argv else len(argv)
+  if split == len(argv) and not {"-h", "--help"} & set(argv):
+    return arguments.fail("launch needs `-- COMMAND`, e.g. launch tpu ... -- train --config=...")
+  return arguments.run(_parser(), lambda args: _launch(args, argv[split + 1:]), argv[:split])

@@ -99,7 +99,8 @@ class LocalRolloutSide:
       return self.sync.receive(handle)
     return None
 
-  def _refresh(self, engine, handle):
+  def refresh(self, engine, handle):
+    """Loads `handle`'s weights into `engine` unless it has them or newer; -> (start, end) or None."""
     if handle.version > engine.version:
       start = time.time()
       engine.load_weights(*self.sync.receive(handle))
@@ -108,14 +109,14 @@ class LocalRolloutSide:
 
   def generate(self, records, group_size, seed, batch_index, handle):
     """-> (Rollout, receive span or None). Weights are at least handle.version."""
-    span = self._refresh(self.engine, handle)
+    span = self.refresh(self.engine, handle)
     rollout = self.engine.generate([r["prompt"] for r in records], group_size,
                                    jax.random.fold_in(jax.random.key(seed), batch_index),
                                    group_ids=[r["index"] for r in records])
     return rollout, span
 
   def evaluate(self, records, handle) -> list[str]:
-    self._refresh(self.eval_engine, handle)
+    self.refresh(self.eval_engine, handle)
     return greedy_completions(self.eval_engine, records, len(records))
 
   def describe(self) -> dict:

@@ -13,7 +13,10 @@ import socket
 import threading
 
 from jaxrl_hex.cluster.local import sync_directory
+from jaxrl_hex.cluster.workers import RolloutWorker, TrainWorker
 from jaxrl_hex.errors import RunStopped, UserError
+from jaxrl_hex.sync.direct import merge_manifests
+from jaxrl_hex.sync.orbax_sync import OrbaxSync
 
 
 def connect(address: str):
@@ -75,7 +78,6 @@ class RayTrainSide:
   def __init__(self, rt, workdir, resume):
     import ray
 
-    from jaxrl_hex.cluster.workers import TrainWorker
     spec = rt.mesh_file.pools["train"]
     cfg_json = rt.cfg.to_json_best_effort()
     self.method = rt.cfg.sync.method
@@ -137,7 +139,6 @@ class RayTrainSide:
     results = self._all("publish")
     self.sync_seconds = max(seconds for _, seconds in results)
     if self.method == "direct":
-      from jaxrl_hex.sync.direct import merge_manifests
       return merge_manifests(self.version, [piece for piece, _ in results])
     return results[0][0]
 
@@ -162,7 +163,6 @@ class RayRolloutSide:
   def __init__(self, rt, workdir):
     import ray
 
-    from jaxrl_hex.cluster.workers import RolloutWorker
     self._ray = ray
     self.spec = rt.mesh_file.pools["rollout"]
     self.replicas = self.spec.replicas
@@ -243,7 +243,6 @@ def ray_sides(rt, workdir, resume):
     raise UserError(f"{rt.mesh_file.path}: pools.rollout.processes must be 1 (each replica is one process); "
                     "use replicas for more rollout runtimes")
   if cfg.sync.method == "orbax":  # fail on an unwritable path before any worker starts
-    from jaxrl_hex.sync import OrbaxSync
     OrbaxSync(sync_directory(cfg, workdir))
   connect(cfg.cluster.ray_address)
   check_cluster(rt.mesh_file)

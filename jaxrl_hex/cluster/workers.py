@@ -3,17 +3,18 @@ computes exactly as it does in one process; only devices and transport differ.""
 import os
 import socket
 
+import jax
+from jax.experimental import multihost_utils
+
 from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide, sync_directory
-
-
-def _config(cfg_json):
-  import ml_collections
-  return ml_collections.ConfigDict(__import__("json").loads(cfg_json))
+from jaxrl_hex.config import config_from_json
+from jaxrl_hex.metrics import Recorder
+from jaxrl_hex.runtime import build_runtime, load_mesh
+from jaxrl_hex.sync import make_sync
 
 
 def _start_jax(platform, local_devices, affinity, coordinator=None, num_processes=1, process_id=0):
   """Configure this process's JAX before its first operation; join a multi-process runtime."""
-  import jax
   if affinity:  # pin the pool to its own cores, so pools on one machine really run in parallel
     os.sched_setaffinity(0, affinity)
   if platform == "cpu":
@@ -25,7 +26,6 @@ def _start_jax(platform, local_devices, affinity, coordinator=None, num_processe
 
 
 def _describe(process_index=0):
-  import jax
   return {
       "pid": os.getpid(),
       "host": socket.gethostname(),
@@ -60,11 +60,7 @@ class TrainWorker:
     return f"{ray.util.get_node_ip_address()}:{port}"
 
   def start(self, coordinator) -> dict:
-    from jaxrl_hex.metrics import Recorder
-    from jaxrl_hex.runtime import build_runtime
-    from jaxrl_hex.sync import make_sync
-    cfg = _config(self.cfg_json)
-    from jaxrl_hex.runtime import load_mesh
+    cfg = config_from_json(self.cfg_json)
     mesh_file = load_mesh(cfg)
     spec = mesh_file.pools["train"]
     _start_jax(mesh_file.platform,
@@ -92,7 +88,6 @@ class TrainWorker:
 
   def fetch_params(self):
     """The whole params on the host (every process gathers): for checks and exports of small models."""
-    from jax.experimental import multihost_utils
     return multihost_utils.process_allgather(self.side.trainer.params, tiled=True)
 
   def close(self):
@@ -103,9 +98,7 @@ class RolloutWorker:
   """One rollout replica: a single-process runtime with the rollout pool's mesh."""
 
   def __init__(self, cfg_json, workdir):
-    from jaxrl_hex.runtime import build_runtime, load_mesh
-    from jaxrl_hex.sync import make_sync
-    cfg = _config(cfg_json)
+    cfg = config_from_json(cfg_json)
     mesh_file = load_mesh(cfg)
     spec = mesh_file.pools["rollout"]
     _start_jax(mesh_file.platform, len(spec.device_ids), spec.affinity)
@@ -132,9 +125,8 @@ class RolloutWorker:
 
   def receive(self, handle) -> int:
     """Load the weights of `handle` now (otherwise they load at the next generate)."""
-    self.side._refresh(self.side.engine, handle)
+    self.side.refresh(self.side.engine, handle)
     return self.side.engine.version
 
   def fetch_params(self):
-    import jax
     return jax.device_get(self.side.engine.params)

@@ -21,8 +21,5 @@ class PromptStream:
     batch = next(self._iter)
     return batch, self._iter.get_state()
 
-  def get_state(self):
-    return self._iter.get_state()
-
   def set_state(self, state):
     self._iter.set_state(state)

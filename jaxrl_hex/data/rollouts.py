@@ -22,6 +22,9 @@ class Rollout:
   def num_tokens(self) -> int:
     return int(self.completion_mask.sum())
 
+  def oldest_versions(self) -> np.ndarray:
+    """[N] int32: the oldest policy version among each sample's tokens."""
+    return np.where(self.completion_mask, self.versions, np.iinfo(np.int32).max).min(axis=1)
 
 
 def bucket(n: int, multiple: int = 8) -> int:
@@ -39,6 +42,11 @@ def encode_prompts(tokenizer, prompts: list[str]):
     tokens[i, p_len - len(row):] = row
     valid[i, p_len - len(row):] = True
   return ids, tokens, valid
+
+
+def decode_completions(tokenizer, rollout: Rollout) -> list[str]:
+  """Each row's completion as text (its masked tokens)."""
+  return [tokenizer.decode(row[m]) for row, m in zip(rollout.completion, rollout.completion_mask)]
 
 
 def select_rows(rollout: Rollout, rows) -> Rollout:

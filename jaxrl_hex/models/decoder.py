@@ -117,10 +117,10 @@ class Attention(nnx.Module):
   def __init__(self, cfg, rngs, sliding=False):
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
-    self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pdt, d**-0.5)
-    self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt, d**-0.5)
-    self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pdt, d**-0.5)
-    self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pdt, (h * hd)**-0.5)
+    self.wq = _param(rngs, (d, h, hd), ("qkv_embed", "heads", "head_dim"), pdt, d**-0.5)
+    self.wk = _param(rngs, (d, kv, hd), ("qkv_embed", "kv_heads", "head_dim"), pdt, d**-0.5)
+    self.wv = _param(rngs, (d, kv, hd), ("qkv_embed", "kv_heads", "head_dim"), pdt, d**-0.5)
+    self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "o_embed"), pdt, (h * hd)**-0.5)
     if cfg.qkv_bias:
       self.bq = nnx.Param(jnp.zeros((h, hd), pdt), axes=("heads", "head_dim"))
       self.bk = nnx.Param(jnp.zeros((kv, hd), pdt), axes=("kv_heads", "head_dim"))
@@ -169,9 +169,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg, rngs):
     d, f, pdt = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
-    self.gate = _param(rngs, (d, f), ("embed", "mlp"), pdt, d**-0.5)
-    self.up = _param(rngs, (d, f), ("embed", "mlp"), pdt, d**-0.5)
-    self.down = _param(rngs, (f, d), ("mlp", "embed"), pdt, f**-0.5)
+    self.gate = _param(rngs, (d, f), ("mlp_up_embed", "mlp"), pdt, d**-0.5)
+    self.up = _param(rngs, (d, f), ("mlp_up_embed", "mlp"), pdt, d**-0.5)
+    self.down = _param(rngs, (f, d), ("mlp", "mlp_down_embed"), pdt, f**-0.5)
     self.activation = cfg.mlp_activation
     self.dtype = jnp.dtype(cfg.dtype)
 
@@ -209,11 +209,11 @@ class Decoder(nnx.Module):
     cfg = ml_collections.FrozenConfigDict(cfg)  # hashable, so the module's graphdef can key a jit cache
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt, cfg.d_model**-0.5)
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab_in", "embed_in"), pdt, cfg.d_model**-0.5)
     self.layers = nnx.List([Block(cfg, rngs, is_sliding(cfg, i)) for i in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, cfg.norm_style)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt, cfg.d_model**-0.5)
+      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed_out", "vocab_out"), pdt, cfg.d_model**-0.5)
 
   def __call__(self, tokens, positions, mask, cache: Cache | None = None, cache_index=0, key_positions=None,
                rope_tables=None):

@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
+from jaxrl_hex import meshes
 from jaxrl_hex.models.decoder import causal_mask, init_cache
-
-from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.families import HFModelError, config_from_hf, family_of, hf_config, read_config
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.safetensors_files import SafetensorsDir, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -86,7 +87,8 @@ def tensor_layouts(cfg) -> list:
     p, at = f"model.layers.{i}.", ("layers", i)
     for proj, heads in (("q", h), ("k", kv), ("v", kv)):
       out.append(
-          TensorMap(f"{p}self_attn.{proj}_proj.weight", at + ("attn", "w" + proj), (d, heads, hd), ((0,), (1, 2)), True))
+          TensorMap(f"{p}self_attn.{proj}_proj.weight", at + ("attn", "w" + proj), (d, heads, hd), ((0,), (1, 2)),
+                    True))
       if cfg.qkv_bias:
         out.append(TensorMap(f"{p}self_attn.{proj}_proj.bias", at + ("attn", "b" + proj), (heads, hd), ((0, 1),)))
     out.append(TensorMap(f"{p}self_attn.o_proj.weight", at + ("attn", "wo"), (h, hd, d), ((0, 1), (2,)), True))
@@ -158,7 +160,6 @@ def save_hf(cfg, params, out_dir: str, source_dir: str | None = None, dtype: str
   def fetch(lay):
     x = _get(params, lay.path)
     if not x.is_fully_addressable:  # multi-host: every process gathers, one writes
-      from jax.experimental import multihost_utils
       return lay.to_hf(np.asarray(multihost_utils.process_allgather(x, tiled=True))).astype(out_dtype)
     return lay.to_hf(np.asarray(jax.device_get(x))).astype(out_dtype)
 
@@ -225,7 +226,6 @@ def _greedy(graphdef, state, prompt, max_new):
 
 def _pool(mesh):
   """A meshes.Pool for `mesh`: a Pool as it is, or a jax Mesh under the default rules."""
-  from jaxrl_hex import meshes
   if mesh is None or isinstance(mesh, meshes.Pool):
     return mesh
   spec = meshes.PoolSpec("model", tuple(range(mesh.size)), dict(mesh.shape), dict(meshes.DEFAULT_RULES))

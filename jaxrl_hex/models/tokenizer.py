@@ -1,5 +1,13 @@
 """Tokenizers: characters for built-in tasks (ids 0..2 are pad, bos, eos; one id per character),
 and Hugging Face tokenizer directories for real models."""
+import datetime
+import json
+import os
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
 from jaxrl_hex.errors import UserError
 
 PAD, BOS, EOS = 0, 1, 2
@@ -45,10 +53,6 @@ class HFTokenizer:
   """
 
   def __init__(self, path: str, eos_token: str | None = None):
-    import json
-    import os
-
-    from tokenizers import Tokenizer
     self.dir = path if os.path.isdir(path) else os.path.dirname(path)
     file = os.path.join(self.dir, "tokenizer.json")
     if not os.path.isfile(file):
@@ -112,12 +116,6 @@ class HFTokenizer:
 
 def _chat_template(template, jinja_file):
   """The compiled default chat template, or None. Sandboxed: templates come with downloaded models."""
-  import datetime
-  import json
-  import os
-
-  import jinja2
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
   if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
     template = {t["name"]: t["template"] for t in template}.get("default")
   if template is None and os.path.isfile(jinja_file):

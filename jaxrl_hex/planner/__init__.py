@@ -4,6 +4,8 @@ It reads model configs and the device catalog and writes mesh files; it imports 
 the runtime parts, so planning runs anywhere (no accelerator, no JAX devices).
 """
 
+from jaxrl_hex.errors import UserError
 
-class PlanError(ValueError):
+
+class PlanError(UserError):
   """Bad planner input; the message is one line naming the field and the fix."""

@@ -25,6 +25,7 @@ from scipy.optimize import nnls
 
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.planner import PlanError, cost_model as cm
+from jaxrl_hex.planner.model_files import load_model
 
 FIELDS = {
     "train": ("device_type", "devices", "mesh", "model", "seq_len", "tokens_per_step", "tokens_per_s"),

@@ -1,15 +1,15 @@
 """`jaxrl-hex plan` and `jaxrl-hex simulate`: argument parsing, plan files and readable output."""
-import argparse
 import dataclasses
 import json
 import pathlib
-import sys
 
 import yaml
 
+from jaxrl_hex import arguments
 from jaxrl_hex.planner import PlanError, allocate
 from jaxrl_hex.planner.model_files import load_model
 from jaxrl_hex.planner.simulate import SimSpec, draw_timeline, simulate
+
 
 def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, alternatives=None) -> dict:
   """The runtime's mesh-file format (pools.train / pools.rollout) plus a `plan:` block."""
@@ -134,28 +134,16 @@ def format_plan(p: allocate.Plan, model_name, cluster, alternatives, budget) -> 
   return "\n".join(lines)
 
 
-def _run(main, argv):
-  """Exit codes: 0 ok, 2 bad input (one line on stderr, no traceback)."""
-  try:
-    return main(argv)
-  except PlanError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except SystemExit as e:  # argparse: it has printed its usage line already
-    return e.code if isinstance(e.code, int) else 2
-
-
 def plan_main(argv) -> int:
-  return _run(_plan, argv)
+  return arguments.run(_plan_parser(), _plan, argv)
 
 
 def simulate_main(argv) -> int:
-  return _run(_simulate, argv)
+  return arguments.run(_simulate_parser(), _simulate, argv)
 
 
-def _plan(argv):
-  ap = argparse.ArgumentParser(prog="jaxrl-hex plan",
-                               description="Split a mixed TPU/GPU cluster into training and rollout pools.")
+def _plan_parser():
+  ap = arguments.Parser("jaxrl-hex plan", "Split a mixed TPU/GPU cluster into training and rollout pools.")
   ap.add_argument("--cluster", required=True, help="meshes/cluster-NAME.yaml")
   ap.add_argument("--model", required=True, help="configs/models/NAME.py or NAME")
   ap.add_argument("--objective", choices=allocate.OBJECTIVES, default="throughput")
@@ -163,7 +151,10 @@ def _plan(argv):
   ap.add_argument("--catalog", help="extra catalog YAML: overrides or adds device entries")
   ap.add_argument("--out", help="plan mesh file to write (default: plan-NAME-MODEL.yaml next to the cluster file)")
   ap.add_argument("--json", action="store_true", help="print the plan file as JSON instead of text")
-  args = ap.parse_args(argv)
+  return ap
+
+
+def _plan(args):
   model_name, cfg = load_model(args.model)
   cluster = allocate.load_cluster(args.cluster, args.catalog)
   p = allocate.plan(cfg, cluster, args.objective, args.min_throughput, model_name)
@@ -184,15 +175,17 @@ def _plan(argv):
   return 0
 
 
-def _simulate(argv):
-  ap = argparse.ArgumentParser(prog="jaxrl-hex simulate",
-                               description="Run a plan through the discrete-event simulator of the async loop.")
+def _simulate_parser():
+  ap = arguments.Parser("jaxrl-hex simulate", "Run a plan through the discrete-event simulator of the async loop.")
   ap.add_argument("--plan", required=True, help="plan mesh file written by `jaxrl-hex plan`")
   ap.add_argument("--out", default="timeline.png", help="timeline PNG to write")
   ap.add_argument("--steps", type=int, default=20, help="trainer steps to simulate")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--json", action="store_true", help="print the results as JSON")
-  args = ap.parse_args(argv)
+  return ap
+
+
+def _simulate(args):
   try:
     data = yaml.safe_load(pathlib.Path(args.plan).read_text())
   except FileNotFoundError:

@@ -8,7 +8,6 @@ from jaxrl_hex.specs import load_module
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-
 def load_model(arg):
   """configs/models/NAME.py or NAME -> (name, config); looks in ./configs/models then the repo's."""
   path = pathlib.Path(arg)

@@ -5,20 +5,29 @@ sits on its last completion token, and with algo.kl_mode='reward' every token al
 -kl_coef * KL. Group estimators score a sequence by the sum of its token rewards and broadcast
 the advantage over its tokens. `returns` are the critic's regression targets (GAE only).
 
-Register your own with @ADVANTAGES.register("name", needs_groups=..., needs_critic=...).
+Register your own with @ADVANTAGES.register("name", needs_groups=..., needs_critic=...) (the
+fields of `Estimator`; both default to False).
 """
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.rl.registry import Registry
+from jaxrl_hex.rl.registry import Entry, Registry
 
-ADVANTAGES = Registry("advantage estimator", "algo.advantage")
 EPS = 1e-6
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Estimator(Entry):
+  needs_groups: bool = False  # a group baseline: rollout.group_size >= 2, else every advantage is 0
+  needs_critic: bool = False  # reads AdvantageInputs.values: the trainer learns a critic
+
+
+ADVANTAGES = Registry("advantage estimator", "algo.advantage", Estimator)
+
+
+@dataclasses.dataclass(frozen=True)
 class AdvantageInputs:
   token_rewards: jax.Array  # [N, C] fp32, zero off the completion
   mask: jax.Array  # [N, C] fp32, 1 on completion tokens
@@ -87,14 +96,14 @@ def rloo(inp: AdvantageInputs, algo):
   return adv[:, None] * inp.mask, None
 
 
-@ADVANTAGES.register("reinforce_pp", needs_groups=False)
+@ADVANTAGES.register("reinforce_pp")
 def reinforce_pp(inp: AdvantageInputs, algo):
   """REINFORCE++: discounted return-to-go of the token rewards, whitened over the batch."""
   returns = discounted_cumsum(inp.token_rewards * inp.mask, algo.gamma)
   return whiten(returns, inp.mask), None
 
 
-@ADVANTAGES.register("gae", needs_groups=False, needs_critic=True)
+@ADVANTAGES.register("gae", needs_critic=True)
 def gae(inp: AdvantageInputs, algo):
   """Generalised advantage estimation with a learned critic: delta_t = r_t + gamma V_{t+1} - V_t,
   A_t = delta_t + gamma lambda A_{t+1}; returns = A + V (the critic's targets); A whitened."""

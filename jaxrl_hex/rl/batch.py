@@ -3,26 +3,39 @@
 tokens [N, P + C] = left-padded prompt ++ completion; valid marks real tokens; the loss covers
 the last C positions (loss_mask [N, C]).
 """
+import dataclasses
+
+import jax
 import numpy as np
 
 from jaxrl_hex.data.rollouts import Rollout, bucket, encode_prompts
 
 
-def rl_batch(rollout: Rollout) -> dict:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+  """N sequences, numpy on the host. A pytree: the trainer's start pass takes its per-sequence
+  fields on the pool (the model reads tokens through the layout). SFT leaves the RL fields None."""
+  tokens: np.ndarray  # [N, P + C] int32
+  valid: np.ndarray  # [N, P + C] bool
+  loss_mask: np.ndarray  # [N, C] bool
+  behav_logp: np.ndarray | None = None  # [N, C] fp32, the engine's logprob of each sampled token
+  rewards: np.ndarray | None = None  # [N] fp32
+  group_ids: np.ndarray | None = None  # [N] int32, samples of one prompt share an id
+  versions: np.ndarray | None = None  # [N, C] int32, policy version that sampled each token
+
+
+def rl_batch(rollout: Rollout) -> TrainBatch:
   if rollout.rewards is None:
     raise ValueError("rl_batch: rollout has no rewards; score it before training on it")
-  return {
-      "tokens": np.concatenate([rollout.prompt_tokens, rollout.completion], 1),
-      "valid": np.concatenate([rollout.prompt_valid, rollout.completion_mask], 1),
-      "loss_mask": rollout.completion_mask,
-      "behav_logp": rollout.behaviour_logprobs,
-      "rewards": rollout.rewards.astype(np.float32),
-      "group_ids": rollout.group_ids.astype(np.int32),
-      "versions": rollout.versions.astype(np.int32),
-  }
+  return TrainBatch(tokens=np.concatenate([rollout.prompt_tokens, rollout.completion],
+                                          1), valid=np.concatenate([rollout.prompt_valid, rollout.completion_mask],
+                                                                   1), loss_mask=rollout.completion_mask,
+                    behav_logp=rollout.behaviour_logprobs, rewards=rollout.rewards.astype(np.float32),
+                    group_ids=rollout.group_ids.astype(np.int32), versions=rollout.versions.astype(np.int32))
 
 
-def sft_batch(tokenizer, records: list[dict]) -> dict:
+def sft_batch(tokenizer, records: list[dict]) -> TrainBatch:
   """Teacher forcing on answer + EOS, prompts laid out as the engine lays them out."""
   _, prompt_tokens, prompt_valid = encode_prompts(tokenizer, [r["prompt"] for r in records])
   answers = [tokenizer.encode(r["answer"]) + [tokenizer.eos_id] for r in records]
@@ -32,4 +45,4 @@ def sft_batch(tokenizer, records: list[dict]) -> dict:
   for i, a in enumerate(answers):
     tokens[i, p_len:p_len + len(a)] = a
     valid[i, p_len:p_len + len(a)] = True
-  return {"tokens": tokens, "valid": valid, "loss_mask": valid[:, p_len:]}
+  return TrainBatch(tokens=tokens, valid=valid, loss_mask=valid[:, p_len:])

@@ -4,19 +4,22 @@ Rollout asks admit(k) before generating batch k; the gate holds it while k > ver
 (AReaL's floor((generated - 1) / B) <= version + eta, with B = one trainer batch). take() hands
 the trainer batches in batch order — replicas may finish out of order, but the data position
 saved with a checkpoint must be that of a prefix — and drops any batch whose oldest token is
-more than eta versions old.
+more than eta versions old. The staleness it hands back with a batch, per sample, is the one the
+metrics report.
 """
 import dataclasses
 import threading
-import typing
+
+import numpy as np
+
+from jaxrl_hex.data.rollouts import Rollout
 
 
 @dataclasses.dataclass
 class Item:
   batch_index: int
-  rollout: typing.Any  # data.rollouts.Rollout, scored
+  rollout: Rollout  # scored
   data_state: dict  # prompt-stream state after this batch's prompts
-  version: int  # oldest policy version among its tokens
   stats: dict = dataclasses.field(default_factory=dict)
 
 
@@ -49,8 +52,9 @@ class Buffer:
       self._items[item.batch_index] = item
       self._cond.notify_all()
 
-  def take(self, timeout=None) -> tuple[Item, int]:
-    """-> (the next batch in order, its staleness) for the current trainer version."""
+  def take(self, timeout=None) -> tuple[Item, np.ndarray]:
+    """-> (the next batch in order, staleness [N] int32 of each of its samples: the trainer's
+    version minus the oldest version among the sample's tokens)."""
     with self._cond:
       while True:
         if not self._cond.wait_for(lambda: self._closed or self._next in self._items, timeout):
@@ -58,8 +62,8 @@ class Buffer:
         self._raise_if_closed()
         item = self._items.pop(self._next)
         self._next += 1
-        staleness = self._version - item.version
-        if staleness <= self.max_staleness:
+        staleness = self._version - item.rollout.oldest_versions()
+        if staleness.max() <= self.max_staleness:
           return item, staleness
         self.dropped += 1
 

@@ -131,7 +131,3 @@ def value_loss(values, old_values, returns, clip: float):
   """PPO's clipped value loss per token: 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2)."""
   clipped = old_values + jnp.clip(values - old_values, -clip, clip)
   return 0.5 * jnp.maximum((values - returns)**2, (clipped - returns)**2)
-
-
-def masked_mean(x, mask):
-  return (x * mask).sum() / jnp.maximum(mask.sum(), 1)

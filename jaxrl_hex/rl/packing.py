@@ -15,7 +15,7 @@ quantities move between the [N, C] view (advantages, aggregation) and the layout
 `share_prompts=True` (GRPO-style batches, where the samples of a group share one prompt) lays
 rows out as completions only, and each micro-batch carries its groups' prompts once
 (prompt_tokens [M, K, G, P]); the trainer runs each prompt once and lets every completion of
-its group attend to the prompt's keys and values (rl.trainer.shared_prompt_logits), so prompt
+its group attend to the prompt's keys and values (rl.layout.shared_prompt_logits), so prompt
 tokens are computed once per group instead of once per sample.
 """
 import dataclasses
@@ -24,8 +24,9 @@ import heapq
 import numpy as np
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Layout:
+  """The trainer puts the fields the model reads on its pool as an rl.layout.Rows."""
   tokens: np.ndarray  # [M, K, R, L] int32
   positions: np.ndarray  # [M, K, R, L] int32, restart at 0 in every sequence
   segments: np.ndarray  # [M, K, R, L] int32, 1.. per sequence within a row, 0 = padding
@@ -38,12 +39,6 @@ class Layout:
   prompt_positions: np.ndarray | None = None  # [M, K, G, P]
   prompt_valid: np.ndarray | None = None  # [M, K, G, P] bool
   row_group: np.ndarray | None = None  # [M, K, R] which of the G prompts a row continues
-
-  @property
-  def arrays(self) -> dict:
-    """The per-micro-batch arrays the model reads."""
-    names = ("tokens", "positions", "segments", "seq", "prompt_tokens", "prompt_positions", "prompt_valid", "row_group")
-    return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
   @property
   def size(self) -> int:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_hex.data.rollouts import Rollout, encode_prompts
+from jaxrl_hex.data.rollouts import Rollout, decode_completions, encode_prompts
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import local_device, to_host
 from jaxrl_hex.models.decoder import cache_shapes
@@ -124,7 +124,7 @@ class Engine:
     self._live = np.zeros(self.num_slots, bool)
     self._finished = []
     self._state = None
-    self._t = 0  # the ring column the next decode step writes (state["t"])
+    self._t = 0  # the ring column the next decode step writes (state.t)
     self.greedy = False  # sample at temperature 0 (argmax)
     self._chunks = 0
 
@@ -134,7 +134,7 @@ class Engine:
     shard_bytes = lambda sharding, shape, dtype: int(np.prod(sharding.shard_shape(shape))) * jnp.dtype(dtype).itemsize
     cache = cfg.n_layers * sum(
         shard_bytes(sharding, shape, self.cache_dtype)
-        for sharding, shape in zip(self._state_shardings["cache"][0], cache_shapes(cfg, self.num_slots, self.length)))
+        for sharding, shape in zip(self._state_shardings.cache[0], cache_shapes(cfg, self.num_slots, self.length)))
     params = sum(
         shard_bytes(sh, x.shape, x.dtype)
         for sh, x in zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
@@ -263,19 +263,19 @@ class Engine:
                            logits_sharding=self.pool.sharding(("batch", None)))
     rng = jax.random.fold_in(self.rng, self._chunks)
     self._chunks += 1
-    self._state, live, tokens, logprobs, emitted, steps = self._run(("decode", self.greedy, span), fn, self.params,
-                                                                    self._state, self._live, rng,
-                                                                    np.bool_(stop_on_finish), extra_outputs=5)
-    live, tokens, logprobs, emitted, steps = to_host((live, tokens, logprobs, emitted, steps))
-    self.decode_steps += int(steps)
-    self._t += int(steps)
+    self._state, out = self._run(("decode", self.greedy, span), fn, self.params, self._state, self._live, rng,
+                                 np.bool_(stop_on_finish), host_outputs=True)
+    out = to_host(out)
+    steps = int(out.steps)
+    self.decode_steps += steps
+    self._t += steps
     for slot in np.flatnonzero(self._live):
       seq = self._seqs[slot]
-      new = emitted[:steps, slot]
-      seq.tokens.extend(tokens[:steps, slot][new].tolist())
-      seq.logprobs.extend(logprobs[:steps, slot][new].tolist())
+      new = out.emitted[:steps, slot]
+      seq.tokens.extend(out.tokens[:steps, slot][new].tolist())
+      seq.logprobs.extend(out.logprobs[:steps, slot][new].tolist())
       seq.versions.extend([self.version] * int(new.sum()))
-      reason = None if live[slot] else ("eos" if seq.tokens[-1] in self.eos_ids else "length")
+      reason = None if out.live[slot] else ("eos" if seq.tokens[-1] in self.eos_ids else "length")
       stop_at = self._stop_index(seq)
       if stop_at is not None:
         reason = "stop"
@@ -347,16 +347,17 @@ class Engine:
                    truncated=truncated)
 
   def decode(self, rollout: Rollout) -> list[str]:
-    return [self.tokenizer.decode(row[m]) for row, m in zip(rollout.completion, rollout.completion_mask)]
+    return decode_completions(self.tokenizer, rollout)
 
   # ---- compiled programs ----------------------------------------------------------------------
-  def _run(self, key, fn, params, state, *args, extra_outputs=0):
-    """fn(params, state, *args) -> state (+ extra outputs): compiled once per key (timed and
-    counted), run on the pool with the state donated, so the cache is updated in place."""
+  def _run(self, key, fn, params, state, *args, host_outputs=False):
+    """fn(params, state, *args) -> state, or (state, a record for the host, replicated) with
+    host_outputs: compiled once per key (timed and counted), run on the pool with the state
+    donated, so the cache is updated in place."""
     if key not in self._fns:
       t0 = time.perf_counter()
       replicated = self.pool.replicated()
-      out = (self._state_shardings,) + (replicated,) * extra_outputs if extra_outputs else self._state_shardings
+      out = (self._state_shardings, replicated) if host_outputs else self._state_shardings
       jitted = jax.jit(fn, in_shardings=(self.param_shardings, self._state_shardings) + (replicated,) * len(args),
                        out_shardings=out, donate_argnums=(1,))
       self._fns[key] = jitted.lower(params, state, *args).compile()

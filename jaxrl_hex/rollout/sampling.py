@@ -1,7 +1,7 @@
 """Token sampling inside jit: temperature, top-k, top-p, min-p, and the behaviour logprob of the pick.
 
 The logprob is taken from the temperature-scaled distribution before any truncation, which is
-the distribution the trainer recomputes (rl.trainer.token_logprobs).
+the distribution the trainer recomputes (rl.layout.token_logprobs).
 
 No full sort of the vocabulary: top-k uses lax.top_k (a partial selection), top-p finds its
 logit cutoff by bisection (a fixed number of O(V) passes, which beats an O(V log V) sort on

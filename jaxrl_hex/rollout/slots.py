@@ -17,43 +17,76 @@ A slot feeds `pending` (first the last prompt token, then each sampled token) at
 `pos`; its KV is not in the cache yet. So a prefill only has to cache prompt[:-1] and needs no
 logits, and the first decode step of a slot samples its first completion token.
 """
+import dataclasses
+import typing
+
 import jax
 import jax.numpy as jnp
 
 from jaxrl_hex.models.decoder import CACHE_AXES, CACHE_LENGTH_AXES, cache_shapes, causal_mask, init_cache, rope_tables
 from jaxrl_hex.rollout.sampling import sample
 
-STATE_AXES = {  # logical axes of each state field (the cache's: models.CACHE_AXES)
-    "valid": ("batch", "length"), "col_tok": ("batch", "length"), "col_pos": ("batch", "length"),
-    "pending": ("batch",), "pos": ("batch",), "count": ("batch",), "max_new": ("batch",), "t": (),
-}
-RING_FIELDS = tuple(k for k, axes in STATE_AXES.items() if "length" in axes)  # [S, T]: one entry per ring column
+
+def _axes(*axes):  # a DecodeState field's logical axes, which state_shardings maps onto the pool's mesh
+  return dataclasses.field(metadata={"axes": axes})
 
 
-def init_state(cfg, slots: int, length: int, cache_dtype):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """The engine's device state: S slots, each one row of a ring of T columns."""
+  cache: list  # per layer (keys, values), models.decoder's layout and axes (CACHE_AXES)
+  valid: jax.Array = _axes("batch", "length")  # [S, T] bool: the column holds a token of the slot's sequence
+  col_tok: jax.Array = _axes("batch", "length")  # [S, T] int32: the column's token
+  col_pos: jax.Array = _axes("batch", "length")  # [S, T] int32: its position
+  pending: jax.Array = _axes("batch")  # [S] int32: the token the next step feeds (its KV not cached yet)
+  pos: jax.Array = _axes("batch")  # [S] int32: pending's position
+  count: jax.Array = _axes("batch")  # [S] int32: completion tokens sampled
+  max_new: jax.Array = _axes("batch")  # [S] int32: the slot's token budget
+  t: jax.Array = _axes()  # [] int32: the ring column the next decode step writes (mod T)
+
+
+_FIELD_AXES = {f.name: f.metadata["axes"] for f in dataclasses.fields(DecodeState) if "axes" in f.metadata}
+RING_FIELDS = tuple(k for k, axes in _FIELD_AXES.items() if "length" in axes)  # [S, T]: one entry per ring column
+
+
+class Decoded(typing.NamedTuple):
+  """What a decode call hands the host; K = max_steps."""
+  live: jax.Array  # [S] bool: still decoding after these steps
+  tokens: jax.Array  # [K, S] int32: the token each step sampled
+  logprobs: jax.Array  # [K, S] fp32: its behaviour logprob
+  emitted: jax.Array  # [K, S] bool: the slot was live at that step (tokens[k, s] is one of its tokens)
+  steps: jax.Array  # [] int32: steps run (rows [0, steps) of the above)
+
+
+class _Loop(typing.NamedTuple):
+  """The decode loop's carry: Decoded's fields around the state, flat and in this order, because
+  XLA's buffer assignment follows the carry's order (another order grew the program's scratch)."""
+  step: jax.Array  # [] int32: steps run, the row this step writes
+  state: DecodeState
+  live: jax.Array  # [S] bool
+  tokens: jax.Array  # [K, S] int32
+  logprobs: jax.Array  # [K, S] fp32
+  emitted: jax.Array  # [K, S] bool
+  flags: jax.Array  # [2] bool: (any slot live, any slot finished)
+  rng: jax.Array
+
+
+def init_state(cfg, slots: int, length: int, cache_dtype) -> DecodeState:
   zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
-  return {
-      "cache": init_cache(cfg, slots, length, cache_dtype),
-      "valid": zeros(slots, length, dt=bool),
-      "col_tok": zeros(slots, length),
-      "col_pos": zeros(slots, length),
-      "pending": zeros(slots),
-      "pos": zeros(slots),
-      "count": zeros(slots),
-      "max_new": zeros(slots),
-      "t": jnp.int32(0)
-  }
+  return DecodeState(cache=init_cache(cfg, slots, length, cache_dtype), valid=zeros(slots, length, dt=bool),
+                     col_tok=zeros(slots, length), col_pos=zeros(slots, length), pending=zeros(slots), pos=zeros(slots),
+                     count=zeros(slots), max_new=zeros(slots), t=jnp.int32(0))
 
 
-def state_shardings(pool, cfg, slots: int, length: int):
+def state_shardings(pool, cfg, slots: int, length: int) -> DecodeState:
+  """A DecodeState of the fields' shardings on `pool`."""
   layer = tuple(
       pool.sharding(axes, shape, "KV cache") for axes, shape in zip(CACHE_AXES, cache_shapes(cfg, slots, length)))
-  out = {k: pool.sharding(ax) for k, ax in STATE_AXES.items()}
-  out["cache"] = [layer] * cfg.n_layers
-  return out
+  return DecodeState(cache=[layer] * cfg.n_layers, **{k: pool.sharding(axes) for k, axes in _FIELD_AXES.items()})
 
 
-def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new, t):
+def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, max_new, t) -> DecodeState:
   """Caches prompts once and hands each to its slots (shared group prefill).
 
   tokens [n, Pb] right-padded prompts with lengths [n]; assignment a puts prompt src[a] into
@@ -63,17 +96,17 @@ def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new, t):
   (XLA's scatter runs element by element on CPU).
   """
   n, p_len = tokens.shape
-  slots, length = state["valid"].shape
-  state = dict(state, t=t)
+  slots, length = state.valid.shape
   j = jnp.arange(p_len)
-  _, kv = policy.apply(params, tokens, jnp.broadcast_to(j, (n, p_len)), causal_mask(j[None] < lengths[:, None]),
-                       init_cache(policy.cfg, n, p_len, state["cache"][0][0].dtype), 0)
+  positions = jnp.broadcast_to(j, (n, p_len))
+  _, kv = policy.apply(params, tokens, positions, causal_mask(j[None] < lengths[:, None]),
+                       init_cache(policy.cfg, n, p_len, state.cache[0][0].dtype), 0)
   slot_src = jnp.full((slots,), -1, jnp.int32).at[slot_ids].set(src, mode="drop")  # [S] prompt row or -1
   filled = slot_src >= 0
   row = jnp.maximum(slot_src, 0)
   cached_len = lengths[row] - 1  # prompt[:-1] goes in the cache
   # ring column c of slot s holds prompt token k = c - (t - cached_len) (mod T)
-  k = (jnp.arange(length)[None] - (state["t"] - cached_len[:, None])) % length  # [S, T]
+  k = (jnp.arange(length)[None] - (t - cached_len[:, None])) % length  # [S, T]
   in_prompt = filled[:, None] & (k < cached_len[:, None])
   k = jnp.minimum(k, p_len - 1)
 
@@ -87,16 +120,18 @@ def prefill(policy, params, state, tokens, lengths, slot_ids, src, max_new, t):
 
   cache = [
       tuple(put(c, p, axis) for c, p, axis in zip(dest, prompt, CACHE_LENGTH_AXES))
-      for dest, prompt in zip(state["cache"], kv)
+      for dest, prompt in zip(state.cache, kv)
   ]
   budget = jnp.zeros((slots,), jnp.int32).at[slot_ids].set(max_new, mode="drop")
-  return dict(state, cache=cache, valid=jnp.where(filled[:, None], in_prompt, state["valid"]),
-              col_tok=put(state["col_tok"], tokens), col_pos=put(state["col_pos"], jnp.broadcast_to(j, (n, p_len))),
-              pending=per_slot(state["pending"], tokens[row, cached_len]), pos=per_slot(state["pos"], cached_len),
-              count=per_slot(state["count"], 0), max_new=per_slot(state["max_new"], budget))
+  return dataclasses.replace(state, cache=cache, valid=jnp.where(filled[:, None], in_prompt, state.valid),
+                             col_tok=put(state.col_tok, tokens), col_pos=put(state.col_pos, positions),
+                             pending=per_slot(state.pending, tokens[row,
+                                                                    cached_len]), pos=per_slot(state.pos, cached_len),
+                             count=per_slot(state.count, 0), max_new=per_slot(state.max_new, budget), t=t)
 
 
-def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng, stop_on_finish, logits_sharding=None):
+def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, rng, stop_on_finish,
+           logits_sharding=None) -> tuple[DecodeState, Decoded]:
   """Up to max_steps decode steps over all slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
 
@@ -105,76 +140,75 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state, live, rng,
   logits_sharding: rows over the batch axes, the vocabulary whole on each device. Drawing from
   vocabulary-sharded logits needs the whole row anyway (the inverse CDF's running sum) plus
   ~5 small collectives for maxima, sums and the pick; gathered once, the sampler needs none.
-
-  -> (state, live [S], tokens [K, S], logprobs [K, S], emitted [K, S] bool, steps)
+  live [S] bool: the slots decoding.
   """
-  full, narrowed = state, span < state["valid"].shape[1]
+  full, narrowed = state, span < state.valid.shape[1]
   if narrowed:  # the loop runs on the ring's first span columns (copied in and out once per call,
     state = _narrow(state, span)  # where every step would read the whole cache)
-  slots, length = state["valid"].shape
+  slots, length = state.valid.shape
   eos = jnp.asarray(eos_ids, jnp.int32)
   tables = rope_tables(policy.cfg, length)  # a slot's positions stay below the ring's length
 
-  def body(carry):
-    i, st, live, out_tok, out_lp, out_em, _, rng = carry
-    rng, step_rng = jax.random.split(rng)
-    col = st["t"] % length
-    valid = st["valid"].at[:, col].set(True)
-    col_pos = st["col_pos"].at[:, col].set(st["pos"])
+  def body(loop):
+    st, live, i = loop.state, loop.live, loop.step
+    rng, step_rng = jax.random.split(loop.rng)
+    col = st.t % length
+    valid = st.valid.at[:, col].set(True)
+    col_pos = st.col_pos.at[:, col].set(st.pos)
     # key_positions: ring columns are not positions (sliding-window layers need the real distance)
-    logits, cache = policy.apply(params, st["pending"][:, None], st["pos"][:, None], valid[:, None, :], st["cache"],
-                                 col, key_positions=col_pos, rope_tables=tables)
+    logits, cache = policy.apply(params, st.pending[:, None], st.pos[:, None], valid[:, None, :], st.cache, col,
+                                 key_positions=col_pos, rope_tables=tables)
     logits = logits[:, -1] if logits_sharding is None else jax.lax.with_sharding_constraint(
         logits[:, -1], logits_sharding)
     token, logprob = sample(logits, step_rng, **sampling)
-    count = st["count"] + live
-    finished = live & (jnp.isin(token, eos) | (count >= st["max_new"]))
-    st = dict(st, cache=cache, valid=valid, col_tok=st["col_tok"].at[:, col].set(st["pending"]), col_pos=col_pos,
-              pending=token, pos=st["pos"] + 1, count=count, t=st["t"] + 1)
+    count = st.count + live
+    finished = live & (jnp.isin(token, eos) | (count >= st.max_new))
+    st = dataclasses.replace(st, cache=cache, valid=valid, col_tok=st.col_tok.at[:, col].set(st.pending),
+                             col_pos=col_pos, pending=token, pos=st.pos + 1, count=count, t=st.t + 1)
     live_next = live & ~finished
     # (any live, any finished) in one reduction: one collective per step over the batch axes
     flags = jnp.any(jnp.stack([live_next, finished]), axis=1)
-    return (i + 1, st, live_next, out_tok.at[i].set(token), out_lp.at[i].set(logprob), out_em.at[i].set(live), flags,
-            rng)
+    return _Loop(i + 1, st, live_next, loop.tokens.at[i].set(token), loop.logprobs.at[i].set(logprob),
+                 loop.emitted.at[i].set(live), flags, rng)
 
-  def cond(carry):
-    i, _, _, _, _, _, (any_live, any_finished), _ = carry
-    return (i < max_steps) & any_live & ~(any_finished & stop_on_finish)
+  def cond(loop):
+    any_live, any_finished = loop.flags
+    return (loop.step < max_steps) & any_live & ~(any_finished & stop_on_finish)
 
-  init = (jnp.int32(0), state, live, jnp.zeros((max_steps, slots), jnp.int32), jnp.zeros(
-      (max_steps, slots), jnp.float32), jnp.zeros((max_steps, slots),
-                                                  bool), jnp.stack([jnp.any(live), jnp.bool_(False)]), rng)
-  steps, state, live, tokens, logprobs, emitted, _, _ = jax.lax.while_loop(cond, body, init)
-  if narrowed:
-    state = _widen(state, full)
-  return state, live, tokens, logprobs, emitted, steps
+  rows = lambda dtype: jnp.zeros((max_steps, slots), dtype)
+  loop = jax.lax.while_loop(
+      cond, body,
+      _Loop(jnp.int32(0), state, live, rows(jnp.int32), rows(jnp.float32), rows(bool),
+            jnp.stack([jnp.any(live), jnp.bool_(False)]), rng))
+  state = _widen(loop.state, full) if narrowed else loop.state
+  return state, Decoded(loop.live, loop.tokens, loop.logprobs, loop.emitted, loop.step)
 
 
-def _narrow(state, span):
+def _narrow(state: DecodeState, span) -> DecodeState:
   """The state on ring columns [0, span) (a copy)."""
   cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, span, axis=axis)
-  return dict(state, **{k: cut(state[k], 1) for k in RING_FIELDS},
-              cache=[tuple(map(cut, layer, CACHE_LENGTH_AXES)) for layer in state["cache"]])
+  return dataclasses.replace(state, cache=[tuple(map(cut, layer, CACHE_LENGTH_AXES)) for layer in state.cache],
+                             **{k: cut(getattr(state, k), 1) for k in RING_FIELDS})
 
 
-def _widen(narrow, full):
+def _widen(narrow: DecodeState, full: DecodeState) -> DecodeState:
   """narrow's ring columns written over full's first ones."""
   put = lambda dest, x, axis: jax.lax.dynamic_update_slice_in_dim(dest, x, 0, axis)
-  return dict(
-      narrow, **{k: put(full[k], narrow[k], 1) for k in RING_FIELDS},
-      cache=[tuple(map(put, dest, layer, CACHE_LENGTH_AXES)) for dest, layer in zip(full["cache"], narrow["cache"])])
+  return dataclasses.replace(
+      narrow, cache=[tuple(map(put, dest, layer, CACHE_LENGTH_AXES)) for dest, layer in zip(full.cache, narrow.cache)],
+      **{k: put(getattr(full, k), getattr(narrow, k), 1) for k in RING_FIELDS})
 
 
-def recompute(policy, params, state):
+def recompute(policy, params, state: DecodeState) -> DecodeState:
   """Rebuilds every cached key/value with `params` from the columns' tokens and positions
   (interruptible generation); sampled tokens and their logprobs stay as they were."""
-  valid, pos = state["valid"], state["col_pos"]
+  valid, pos = state.valid, state.col_pos
   slots, length = valid.shape
   # query column q sees key column k of the same sequence at an earlier or equal position
   mask = valid[:, :, None] & valid[:, None, :] & (pos[:, None, :] <= pos[:, :, None])
-  _, cache = policy.apply(params, state["col_tok"], pos, mask,
-                          init_cache(policy.cfg, slots, length, state["cache"][0][0].dtype), 0, key_positions=pos)
-  return dict(state, cache=cache)
+  _, cache = policy.apply(params, state.col_tok, pos, mask,
+                          init_cache(policy.cfg, slots, length, state.cache[0][0].dtype), 0, key_positions=pos)
+  return dataclasses.replace(state, cache=cache)
 
 
 def cache_bytes(cfg, slots: int, length: int, dtype) -> int:

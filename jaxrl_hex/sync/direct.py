@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_hex.sync import Handle, _target
+from jaxrl_hex.sync.handle import Handle, target_structs
 
 CHUNK_BYTES = 64 << 20  # a receiver fetches whole chunks: bounds what it holds beyond its own shards
 
@@ -38,7 +38,7 @@ class DirectSync:
   cross_process = True
 
   def __init__(self, shapes, target_shardings=None):
-    self._target = None if target_shardings is None else _target(shapes, target_shardings)
+    self._target = None if target_shardings is None else target_structs(shapes, target_shardings)
     self.last_seconds = 0.0
 
   def publish_local(self, params) -> dict:

@@ -3,10 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_hex.models.decoder import causal_mask, init_cache
-
-from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config, param_count
+from jaxrl_hex.models.decoder import causal_mask, init_cache
+from jaxrl_hex.models.policy import Policy
 
 CFG = model_config(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
                    tie_embeddings=False, qkv_bias=True)

@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 from hf_support import FAMILIES, save_tiny, torch_logits
 
-from jaxrl_hex.models.hf import from_hf, to_hf
-
-from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config, param_count
 from jaxrl_hex.models.families import HFModelError
-from jaxrl_hex.models.hf import hf_model_config, load_params, save_hf, tensor_layouts
+from jaxrl_hex.models.hf import from_hf, hf_model_config, load_params, save_hf, tensor_layouts, to_hf
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.safetensors_files import SafetensorsDir
 
 

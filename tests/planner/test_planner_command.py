@@ -59,7 +59,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
   for argv in cases:
     assert plan_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("jaxrl-hex: error: ") and err.count("\n") == 1 and "Traceback" not in err
   extra = tmp_path / "extra.yaml"
   extra.write_text("devices:\n  H100: {hbm_gb: null}\n")
   assert plan_main(["--cluster", str(cluster), "--model", "qwen2_1_5b", "--catalog", str(extra)]) == 2

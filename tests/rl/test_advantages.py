@@ -75,12 +75,20 @@ def test_gae_hand_computed_and_ignores_padding():
 
 
 def test_registry_resolves_names_user_functions_and_lists_known_ones():
-  assert ADVANTAGES.get("rloo") is advantages.rloo
-  assert ADVANTAGES.get("jaxrl_hex.rl.advantages:grpo") is advantages.grpo
+  assert ADVANTAGES.get("rloo").fn is advantages.rloo
+  assert ADVANTAGES.get("jaxrl_hex.rl.advantages:grpo").fn is advantages.grpo
   ADVANTAGES.register("test_zero", lambda inp, algo: (inp.mask * 0, None), needs_groups=False)
-  adv, _ = ADVANTAGES.get("test_zero")(_outcome([1.0, 2.0], [0, 0]), ALGO)
+  adv, _ = ADVANTAGES.get("test_zero").fn(_outcome([1.0, 2.0], [0, 0]), ALGO)
   np.testing.assert_array_equal(adv, 0.0)
   with pytest.raises(
       UserError,
       match=r"algo.advantage='nope' is not a known advantage estimator; known: drgrpo, gae, grpo, reinforce_pp, rloo"):
     ADVANTAGES.get("nope")
+
+
+def test_registered_properties_are_declared_fields():
+  assert ADVANTAGES.get("grpo").needs_groups and ADVANTAGES.get("gae").needs_critic
+  assert not ADVANTAGES.get("jaxrl_hex.rl.advantages:gae").needs_critic  # named directly: the defaults
+  with pytest.raises(TypeError, match="needs_group"):
+    ADVANTAGES.register("typo", advantages.grpo, needs_group=True)
+  assert "typo" not in ADVANTAGES.names()

@@ -20,16 +20,16 @@ LOSS = jnp.array([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
 def test_aggregations_hand_computed(name, norm, expected):
   algo = base_config().algo
   algo.loss_norm_length = norm
-  np.testing.assert_allclose((AGGREGATIONS.get(name)(MASK, algo) * LOSS).sum(), expected, rtol=1e-6)
+  np.testing.assert_allclose((AGGREGATIONS.get(name).fn(MASK, algo) * LOSS).sum(), expected, rtol=1e-6)
 
 
 def test_empty_sequences_do_not_count():
   mask = jnp.concatenate([MASK, jnp.zeros((1, 3))])
   loss = jnp.concatenate([LOSS, jnp.ones((1, 3))])
-  w = AGGREGATIONS.get("seq-mean-token-mean")(mask, base_config().algo)
+  w = AGGREGATIONS.get("seq-mean-token-mean").fn(mask, base_config().algo)
   np.testing.assert_allclose((w * loss).sum(), 2.75, rtol=1e-6)
 
 
 def test_minibatch_weights_normalise_within_each_minibatch():
-  w = minibatch_weights(AGGREGATIONS.get("token-mean"), MASK, jnp.array([0, 1]), 2, base_config().algo)
+  w = minibatch_weights(AGGREGATIONS.get("token-mean").fn, MASK, jnp.array([0, 1]), 2, base_config().algo)
   np.testing.assert_allclose(w, [[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])

@@ -1,13 +1,19 @@
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from jaxrl_hex.data.rollouts import Rollout
 from jaxrl_hex.rl.buffer import Buffer, Closed, Item
 
 
-def _item(k, version):
-  return Item(k, rollout=None, data_state={}, version=version)
+def _item(k, version, *more_versions):
+  """Batch k: one single-token sample per version."""
+  versions = np.array([[version, *more_versions]], np.int32).T  # [N, 1]
+  empty = np.zeros_like(versions)
+  rollout = Rollout(empty, empty, empty, np.ones_like(versions, bool), empty, versions, np.arange(len(versions)))
+  return Item(k, rollout=rollout, data_state={})
 
 
 def test_gate_admits_at_most_eta_batches_ahead():
@@ -36,7 +42,13 @@ def test_take_drops_batches_staler_than_eta():
   buf.put(_item(0, version=1))  # staleness 2 > 1: dropped
   buf.put(_item(1, version=2))
   item, staleness = buf.take(timeout=1)
-  assert (item.batch_index, staleness, buf.dropped) == (1, 1, 1)
+  assert (item.batch_index, staleness.max(), buf.dropped) == (1, 1, 1)
+
+
+def test_take_returns_each_samples_staleness():
+  buf = Buffer(max_staleness=2, trainer_version=3)
+  buf.put(_item(0, 3, 1, 2))
+  assert buf.take(timeout=1)[1].tolist() == [0, 2, 1]
 
 
 def test_batches_come_out_in_order_whatever_order_they_finish_in():

@@ -22,8 +22,8 @@ def _loss(name, logp, prox, behav, adv, mask, agg="token-mean", **overrides):
   inp = LossInputs.padded(jnp.asarray(logp, jnp.float32), jnp.asarray(prox, jnp.float32),
                           jnp.asarray(behav, jnp.float32), jnp.asarray(adv, jnp.float32), jnp.asarray(mask))
   inp.behav_weight, _ = behaviour_weight(inp, algo.behav_weight_cap, algo.behav_weight_mode, algo.behav_weight_level)
-  per_token, metrics = LOSSES.get(name)(inp, algo)
-  weights = AGGREGATIONS.get(agg)(inp.mask, algo)
+  per_token, metrics = LOSSES.get(name).fn(inp, algo)
+  weights = AGGREGATIONS.get(agg).fn(inp.mask, algo)
   return (weights * per_token).sum(), {k: float((v * inp.mask).sum() / inp.mask.sum()) for k, v in metrics.items()}
 
 

@@ -6,14 +6,16 @@ import pytest
 from support import load_config
 
 from jaxrl_hex import cli
-from jaxrl_hex.config import ConfigError, validate
-from jaxrl_hex.models.policy import Policy
-from jaxrl_hex.models.config import model_config
-from jaxrl_hex.rl import packing
 from jaxrl_hex.data.rollouts import Rollout, concat_rollouts
+from jaxrl_hex.errors import ConfigError
+from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.policy import Policy
+from jaxrl_hex.rl import packing
+from jaxrl_hex.rl.batch import TrainBatch
 from jaxrl_hex.rl.dynamic import GroupFilter
-from jaxrl_hex.rl.objectives import make_rl_loss
-from jaxrl_hex.rl.trainer import from_layout, token_logprobs
+from jaxrl_hex.rl.layout import Rows, from_layout, token_logprobs
+from jaxrl_hex.rl.objectives import StartInputs, make_rl_loss
+from jaxrl_hex.runtime import validate
 
 PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
 
@@ -83,20 +85,23 @@ def test_kl_as_reward_penalty_enters_reinforce_pp_returns(pools):
   valid = np.ones((4, 10), bool)
   valid[:, 7:] = [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]
   loss_mask = valid[:, 6:]
-  batch = dict(tokens=tokens, valid=valid, loss_mask=loss_mask, rewards=np.array([1.0, 0.0, 1.0, 0.0], np.float32),
-               behav_logp=np.where(loss_mask, -2.0, 0.0).astype(np.float32), group_ids=np.arange(4, dtype=np.int32))
+  batch = TrainBatch(tokens=tokens, valid=valid, loss_mask=loss_mask, rewards=np.array([1.0, 0.0, 1.0, 0.0],
+                                                                                       np.float32),
+                     behav_logp=np.where(loss_mask, -2.0,
+                                         0.0).astype(np.float32), group_ids=np.arange(4, dtype=np.int32))
   ref_logp = np.asarray(token_logprobs(policy, params, batch)[0])
   lay = packing.plan(tokens, valid, loss_mask, pack=True, row_length=16)
-  arrays = {k: jnp.asarray(getattr(lay, k)) for k in ("tokens", "positions", "segments", "seq")}
+  rows = Rows(*(jnp.asarray(x) for x in (lay.tokens, lay.positions, lay.segments, lay.seq)))
   objective = make_rl_loss(cfg.algo, 1.0)
   data, metrics = jax.jit(
-      lambda p, b: objective.start(policy, None, p, p, None, arrays, b, lay.slot, lay.minibatch_of, 0))(params, batch)
+      lambda p, b: objective.start(policy, None, StartInputs(p, rows, b, lay.slot, lay.minibatch_of, ref_params=p)))(
+          params, batch)
   kl = np.where(loss_mask, -2.0 - ref_logp, 0.0)
   token_rewards = -0.5 * kl
-  token_rewards[np.arange(4), loss_mask.sum(1) - 1] += batch["rewards"]
+  token_rewards[np.arange(4), loss_mask.sum(1) - 1] += batch.rewards
   returns = np.cumsum(token_rewards[:, ::-1], 1)[:, ::-1][loss_mask]
   expected = (returns - returns.mean()) / (returns.std() + 1e-6)
-  np.testing.assert_allclose(np.asarray(from_layout(data["advantages"], lay.slot))[loss_mask], expected, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(from_layout(data.advantages, lay.slot))[loss_mask], expected, rtol=1e-4)
   np.testing.assert_allclose(metrics["kl"], kl[loss_mask].mean(), rtol=1e-5)
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jaxrl_hex.rl import packing
-from jaxrl_hex.rl.trainer import from_layout, segment_mask, to_layout
+from jaxrl_hex.rl.layout import from_layout, segment_mask, to_layout
 
 
 def _batch(prompt_lens, completion_lens, p=4, c=3):

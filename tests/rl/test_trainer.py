@@ -5,13 +5,15 @@ import numpy as np
 import pytest
 from support import load_config
 
-from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl.advantages import ADVANTAGES, AdvantageInputs
 from jaxrl_hex.rl.aggregation import AGGREGATIONS
+from jaxrl_hex.rl.batch import TrainBatch
+from jaxrl_hex.rl.layout import TokenData, token_logprobs
 from jaxrl_hex.rl.losses import LOSSES, LossInputs, behaviour_weight
 from jaxrl_hex.rl.objectives import make_rl_loss
-from jaxrl_hex.rl.trainer import Trainer, make_optimizer, token_logprobs
+from jaxrl_hex.rl.trainer import Trainer, make_optimizer
 
 N, P, C = 16, 8, 6
 
@@ -31,11 +33,10 @@ def _batch(seed=0):
   for i, (pl, cl) in enumerate(zip(rng.integers(3, P + 1, N), rng.integers(1, C + 1, N))):
     valid[i, P - pl:P] = valid[i, P:P + cl] = True
   loss_mask = valid[:, P:]
-  return dict(tokens=tokens, valid=valid, loss_mask=loss_mask, behav_logp=np.where(loss_mask,
-                                                                                   rng.uniform(-3.0, -2.0, (N, C)),
-                                                                                   0).astype(np.float32),
-              rewards=rng.integers(0, 2, N).astype(np.float32),
-              group_ids=np.repeat(np.arange(N // 4), 4).astype(np.int32), versions=np.zeros((N, C), np.int32))
+  return TrainBatch(tokens=tokens, valid=valid, loss_mask=loss_mask,
+                    behav_logp=np.where(loss_mask, rng.uniform(-3.0, -2.0, (N, C)),
+                                        0).astype(np.float32), rewards=rng.integers(0, 2, N).astype(np.float32),
+                    group_ids=np.repeat(np.arange(N // 4), 4).astype(np.int32), versions=np.zeros((N, C), np.int32))
 
 
 def _trainer(setup, pools, ref=False, **overrides):
@@ -59,15 +60,16 @@ def test_padded_layout_matches_a_direct_loss_on_engine_rows(setup, pools):
 
   def direct(p):
     logp, _ = token_logprobs(policy, p, batch)
-    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    mask = jnp.asarray(batch.loss_mask, jnp.float32)
     logp = jnp.where(mask > 0, logp, 0.0)
-    adv, _ = ADVANTAGES.get("grpo")(AdvantageInputs(
-        jax.nn.one_hot(mask.sum(1).astype(jnp.int32) - 1, C) * batch["rewards"][:, None], mask,
-        jnp.asarray(batch["group_ids"])), algo)
-    inp = LossInputs.padded(logp, jax.lax.stop_gradient(logp), jnp.asarray(batch["behav_logp"]), adv, mask)
+    adv, _ = ADVANTAGES.get("grpo").fn(
+        AdvantageInputs(
+            jax.nn.one_hot(mask.sum(1).astype(jnp.int32) - 1, C) * batch.rewards[:, None], mask,
+            jnp.asarray(batch.group_ids)), algo)
+    inp = LossInputs.padded(logp, jax.lax.stop_gradient(logp), jnp.asarray(batch.behav_logp), adv, mask)
     inp.behav_weight, _ = behaviour_weight(inp, algo.behav_weight_cap, algo.behav_weight_mode)
-    per_token, _ = LOSSES.get("ppo")(inp, algo)
-    return (AGGREGATIONS.get("seq-mean-token-mean")(mask, algo) * per_token).sum()
+    per_token, _ = LOSSES.get("ppo").fn(inp, algo)
+    return (AGGREGATIONS.get("seq-mean-token-mean").fn(mask, algo) * per_token).sum()
 
   loss, grads = jax.value_and_grad(direct)(params)
   t_loss, t_grads = _trainer(setup, pools, **{"algo.loss_agg": "seq-mean-token-mean"}).gradients(batch)
@@ -103,8 +105,8 @@ def test_shared_prompt_rows_equal_padded_loss_and_grads(setup, pools):
   """Each group's prompt computed once, its completions attending to it, gives the padded result."""
   batch = _batch()
   for start in range(0, N, 4):  # GRPO batches: the samples of a group share their prompt
-    batch["tokens"][start:start + 4, :P] = batch["tokens"][start, :P]
-    batch["valid"][start:start + 4, :P] = batch["valid"][start, :P]
+    batch.tokens[start:start + 4, :P] = batch.tokens[start, :P]
+    batch.valid[start:start + 4, :P] = batch.valid[start, :P]
   loss, grads = _trainer(setup, pools).gradients(batch)
   s_loss, s_grads = _trainer(setup, pools, **{
       "algo.share_prompts": True,
@@ -138,7 +140,8 @@ def test_minibatches_take_one_update_each_with_recomputed_or_interpolated_prox(s
 def test_interpolated_prox_logp_hand_computed():
   algo = load_config(**{"algo.prox_logp": "interpolate", "algo.minibatches": 2}).algo
   objective = make_rl_loss(algo, 1.0)
-  micro = {"behav_logp": jnp.array([-2.0, -2.0]), "versions": jnp.array([3, 5]), "loss_mask": jnp.ones(2)}
+  micro = TokenData(weights=jnp.ones(2), loss_mask=jnp.ones(2), behav_logp=jnp.array([-2.0, -2.0]),
+                    versions=jnp.array([3, 5]))
   logp = jnp.array([-1.0, -1.0])
   # token 0 is 2 versions = 4 updates old: alpha = 4 / (4 + m); token 1 is fresh: alpha = 0 after m = 0
   np.testing.assert_allclose(objective.proximal_logp(logp, micro, 1, 5), [-2.0 + 0.8, -2.0], rtol=1e-6)

@@ -1,7 +1,7 @@
 """Continuous batching: slot refill, shared group prefill, interruption, stop strings, memory.
 
 Correctness is checked against the trainer: every behaviour logprob must equal
-rl.trainer.token_logprobs of the same tokens under the weights of that token's version, which
+rl.layout.token_logprobs of the same tokens under the weights of that token's version, which
 only holds if each refilled slot's KV (and each recomputed KV) is exactly right.
 """
 import functools
@@ -10,13 +10,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_hex.errors import UserError
-from jaxrl_hex.models.policy import Policy
-from jaxrl_hex.models.config import model_config
-from jaxrl_hex.models.tokenizer import CharTokenizer
-from jaxrl_hex.rl.trainer import token_logprobs
-from jaxrl_hex.rollout import slots as S
 from jaxrl_hex.data.rollouts import bucket
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.policy import Policy
+from jaxrl_hex.models.tokenizer import CharTokenizer
+from jaxrl_hex.rl.batch import TrainBatch
+from jaxrl_hex.rl.layout import token_logprobs
+from jaxrl_hex.rollout import slots as S
 from jaxrl_hex.rollout.engine import Engine, Request
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
@@ -59,7 +60,7 @@ def trainer_logprobs(policy, params, samples):
     tokens[i, p_len - len(s.prompt_tokens):p_len] = s.prompt_tokens
     tokens[i, p_len:p_len + len(s.tokens)] = s.tokens
     valid[i, p_len - len(s.prompt_tokens):p_len + len(s.tokens)] = True
-  batch = {"tokens": tokens, "valid": valid, "loss_mask": valid[:, p_len:]}
+  batch = TrainBatch(tokens=tokens, valid=valid, loss_mask=valid[:, p_len:])
   logp, _ = jax.jit(lambda p, b: token_logprobs(policy, p, b, temperature=TEMP))(params, batch)
   return [np.asarray(logp)[i, :len(s.tokens)] for i, s in enumerate(samples)]
 
@@ -103,7 +104,7 @@ def test_shared_group_prefill_equals_separate_prefills(pools, weights):
     engine.rng = jax.random.key(7)
     engine.submit(requests)
     engine._admit()
-    caches.append(jax.device_get(engine._state["cache"]))
+    caches.append(jax.device_get(engine._state.cache))
     samples = run(engine, [])
     outs.append(sorted(samples, key=lambda s: (s.request_id or 0, s.index)))
   for a, b in zip(*caches):
@@ -130,10 +131,10 @@ def test_a_fresh_batch_decodes_on_the_ring_columns_it_has_written(pools, weights
   for cols in (span, engine.length):
     decode = jax.jit(functools.partial(S.decode, policy, engine.sampling, NO_EOS, 4, cols))
     outs.append(jax.device_get(decode(params, state, engine._live, jax.random.key(3), np.bool_(False))))
-  (narrow, *narrow_out), (whole, *whole_out) = outs
-  assert narrow_out[-1] == whole_out[-1] == 4
-  np.testing.assert_array_equal(narrow_out[1], whole_out[1])  # tokens
-  np.testing.assert_allclose(narrow_out[2], whole_out[2], rtol=1e-6)  # logprobs
+  (narrow, narrow_out), (whole, whole_out) = outs
+  assert narrow_out.steps == whole_out.steps == 4
+  np.testing.assert_array_equal(narrow_out.tokens, whole_out.tokens)
+  np.testing.assert_allclose(narrow_out.logprobs, whole_out.logprobs, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), narrow, whole)
 
   samples = run(engine, [])  # 40 steps from column 15: spans 28, 42 and the whole ring

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.tokenizer import CharTokenizer
 from jaxrl_hex.rl.batch import rl_batch
-from jaxrl_hex.rl.trainer import token_logprobs
+from jaxrl_hex.rl.layout import token_logprobs
 from jaxrl_hex.rollout.engine import Engine
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,

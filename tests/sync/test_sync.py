@@ -3,9 +3,10 @@ import numpy as np
 import pytest
 
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.config import model_config
-from jaxrl_hex.sync import Handle, direct, make_sync
+from jaxrl_hex.models.policy import Policy
+from jaxrl_hex.sync import direct, make_sync
+from jaxrl_hex.sync.handle import Handle
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 

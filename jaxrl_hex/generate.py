@@ -7,11 +7,21 @@ Each prompt line is {"prompt": str} with optional "id", "n" (samples), "max_toke
 (eos | stop | length), truncated, tokens, logprobs and the policy version. The throughput
 summary (one JSON object) goes to stdout.
 """
-import argparse
 import json
 import os
 import sys
 import time
+
+import jax
+
+from jaxrl_hex import arguments
+from jaxrl_hex.checkpoint import Checkpointer
+from jaxrl_hex.config import read_run_config
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.meshes import prepare_cpu_devices
+from jaxrl_hex.metrics import Progress
+from jaxrl_hex.rollout.engine import Engine, Request, engine_options
+from jaxrl_hex.runtime import build_runtime, load_mesh
 
 FLAGS = {  # flag -> config.rollout field
     "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
@@ -20,7 +30,7 @@ FLAGS = {  # flag -> config.rollout field
 
 
 def _parser():
-  ap = argparse.ArgumentParser(prog="jaxrl-hex generate", description=__doc__.splitlines()[0])
+  ap = arguments.Parser("jaxrl-hex generate", __doc__.splitlines()[0])
   ap.add_argument("--workdir", required=True, help="a train or sft run (its config.json and checkpoints/)")
   ap.add_argument("--prompts", required=True, help="JSONL file, one {\"prompt\": ...} per line")
   ap.add_argument("--out", required=True, help="JSONL file to write, one line per sample")
@@ -35,8 +45,6 @@ def _parser():
 
 
 def _read_prompts(path, samples):
-  from jaxrl_hex.errors import UserError
-  from jaxrl_hex.rollout.engine import Request
   if not os.path.exists(path):
     raise UserError(f"--prompts: {path!r} does not exist")
   requests = []
@@ -54,37 +62,14 @@ def _read_prompts(path, samples):
   return requests
 
 
-def _load_config(workdir):
-  import ml_collections
-
-  from jaxrl_hex.config import base_config
-  from jaxrl_hex.errors import UserError
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    raise UserError(f"--workdir: {path} does not exist; point --workdir at a train or sft run")
-  with open(path) as f:
-    cfg = ml_collections.ConfigDict(json.load(f))
-  for key, value in base_config().rollout.items():  # runs saved before a field existed
-    if key not in cfg.rollout:
-      cfg.rollout[key] = value
-  return cfg
-
-
 def generate(args) -> dict:
-  import jax
-
-  from jaxrl_hex.checkpoint import Checkpointer
-  from jaxrl_hex.metrics import Progress
-  from jaxrl_hex.rollout.engine import Engine, engine_options
-  from jaxrl_hex.runtime import build_runtime, load_mesh
-  cfg = _load_config(args.workdir)
+  cfg = read_run_config(args.workdir)
   for name in FLAGS:
     if getattr(args, name) is not None:
       cfg.rollout[name] = getattr(args, name)
   cfg.rollout.stop = list(cfg.rollout.stop) + args.stop
   mesh_file = load_mesh(cfg)
   if mesh_file.platform == "cpu" and mesh_file.num_devices:
-    from jaxrl_hex.meshes import prepare_cpu_devices
     prepare_cpu_devices(mesh_file.num_devices)
   requests = _read_prompts(args.prompts, args.samples)
   rt = build_runtime(cfg)
@@ -142,12 +127,4 @@ def generate(args) -> dict:
 
 
 def main(argv) -> int:
-  from jaxrl_hex.errors import UserError
-  args = _parser().parse_args(argv)
-  try:
-    summary = generate(args)
-  except UserError as e:
-    print(f"jaxrl-hex: error: {e}", file=sys.stderr)
-    return 2
-  print(json.dumps(summary))
-  return 0
+  return arguments.run(_parser(), lambda args: print(json.dumps(generate(args))), argv)

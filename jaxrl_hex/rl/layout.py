@@ -1,0 +1,138 @@
+"""The train layout on the device: the records the model and the objectives read, and the model
+run over them.
+
+rl.packing lays a batch out on the host; the trainer puts the arrays the model reads on its pool
+as `Rows` [M, K, R, L] (M minibatches, K micro-batches, R rows of L tokens), each sharded over the
+pool axes its field declares; one micro-batch is the same record with [R, L] arrays. An
+objective's per-token data (`TokenData`) shares that layout; `slot` [N, C] moves per-token values
+between it and the [N, C] view of the batch (to_layout, from_layout).
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_hex.models.decoder import causal_mask, extend_cache, init_cache
+
+ROW_AXES = (None, None, "batch", "length")  # [M, K, R, L]: rows split over the batch axes
+PROMPT_AXES = (None, None, None, "length")  # [M, K, G, P]: every shard holds all of its micro-batches' prompts
+
+
+def _sharded(axes, optional=False):
+  """A Rows field whose [M, K, ...] array the trainer shards over `axes`."""
+  return dataclasses.field(metadata={"axes": axes}, **({"default": None} if optional else {}))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """The layout arrays the model reads, [M, K, R, L] or one micro-batch's [R, L]. The prompt
+  fields are set only when rows are completions sharing their group's prompt (share_prompts)."""
+  tokens: jax.Array = _sharded(ROW_AXES)  # [M, K, R, L] int32
+  positions: jax.Array = _sharded(ROW_AXES)  # [M, K, R, L] int32, restart at 0 in every sequence
+  segments: jax.Array = _sharded(ROW_AXES)  # [M, K, R, L] int32, 1.. per sequence within a row, 0 = padding
+  seq: jax.Array = _sharded(ROW_AXES)  # [M, K, R, L] int32, index of the sequence in the batch, N = padding
+  prompt_tokens: jax.Array | None = _sharded(PROMPT_AXES, optional=True)  # [M, K, G, P] int32, left-padded
+  prompt_positions: jax.Array | None = _sharded(PROMPT_AXES, optional=True)  # [M, K, G, P] int32
+  prompt_valid: jax.Array | None = _sharded(PROMPT_AXES, optional=True)  # [M, K, G, P] bool
+  row_group: jax.Array | None = _sharded(ROW_AXES[:3], optional=True)  # [M, K, R] int32, the prompt a row continues
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+  """An objective's per-token arrays in the layout of `Rows`, zero where no completion token
+  lands; made once per step by its start(). SFT sets `weights` only; RL sets the optional fields
+  its options need (None: that part of the loss is off)."""
+  weights: jax.Array  # [M, K, R, L] fp32, loss weights (the aggregation, normalised within each minibatch)
+  loss_mask: jax.Array | None = None  # [M, K, R, L] fp32, 1 on completion tokens
+  behav_logp: jax.Array | None = None  # [M, K, R, L] fp32, the engine's logprob of each sampled token
+  advantages: jax.Array | None = None  # [M, K, R, L] fp32
+  metric_weights: jax.Array | None = None  # [M, K, R, L] fp32, token mean over the whole batch
+  prox_logp: jax.Array | None = None  # [M, K, R, L] fp32, prox_logp='recompute' with several minibatches
+  ref_logp: jax.Array | None = None  # [M, K, R, L] fp32, a frozen reference with kl_mode='loss'
+  versions: jax.Array | None = None  # [M, K, R, L] int32, prox_logp='interpolate'
+  old_values: jax.Array | None = None  # [M, K, R, L] fp32, the critic's values at the start of the step
+  returns: jax.Array | None = None  # [M, K, R, L] fp32, the critic's regression targets
+
+
+def _logprobs(logits, targets, temperature):
+  """logits [.., T, V], targets [.., T] -> (logp [.., T], entropy [.., T]) at `temperature`."""
+  logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)
+  logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+  return logp, -(jnp.exp(logp_all) * logp_all).sum(-1)
+
+
+def token_logprobs(policy, params, batch, temperature=1.0):
+  """A TrainBatch's rows as the engine lays them out -> (logp [N, C], entropy [N, C]) of each
+  completion token."""
+  tokens, valid = batch.tokens, batch.valid
+  p_len = tokens.shape[1] - batch.loss_mask.shape[1]
+  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+  logits, _ = policy.apply(params, tokens[:, :-1], positions[:, :-1], causal_mask(valid[:, :-1]))
+  return _logprobs(logits[:, p_len - 1:], tokens[:, p_len:], temperature)
+
+
+def segment_mask(segments):
+  """segments [R, L] (0 = padding) -> [R, L, L]: query t sees keys s <= t of its own sequence."""
+  length = segments.shape[1]
+  same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
+  return same & jnp.tril(jnp.ones((length, length), bool))[None]
+
+
+def shared_prompt_logits(policy, params, rows: Rows):
+  """Each of the micro-batch's G prompts [G, P] runs once; every completion row [R, C] attends to
+  its group's prompt keys/values (gathered by row_group) and to its own earlier tokens.
+  -> logits [R, C, V] aligned to the completion tokens (token 0 from the prompt's last position)."""
+  tokens, valid, group = rows.tokens, rows.segments > 0, rows.row_group
+  p_valid = rows.prompt_valid
+  g, p_len = p_valid.shape
+  r, c_len = tokens.shape
+  prompt_logits, cache = policy.apply(params, rows.prompt_tokens, rows.prompt_positions, causal_mask(p_valid),
+                                      init_cache(policy.cfg, g, p_len), 0)
+  cache = extend_cache(cache, group, c_len - 1)
+  keys = jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1)  # [R, P + C - 1]
+  causal = jnp.arange(p_len + c_len - 1)[None, :] <= p_len + jnp.arange(c_len - 1)[:, None]
+  logits, _ = policy.apply(params, tokens[:, :-1], rows.positions[:, :-1], causal[None] & keys[:, None, :], cache,
+                           p_len)
+  return jnp.concatenate([prompt_logits[group, -1:], logits], axis=1)
+
+
+def _layout_apply(policy, params, rows: Rows):
+  """The model on one micro-batch of rows [R, L], next-token logits aligned to their targets:
+  out[:, j] is the prediction of token j (from position j - 1); column 0 predicts nothing
+  (with shared prompts, rows are completions and column 0 comes from the prompt)."""
+  if rows.prompt_tokens is not None:
+    return shared_prompt_logits(policy, params, rows)
+  logits, _ = policy.apply(params, rows.tokens[:, :-1], rows.positions[:, :-1], segment_mask(rows.segments[:, :-1]))
+  return jnp.pad(logits, ((0, 0), (1, 0), (0, 0)))
+
+
+def layout_logprobs(policy, params, rows: Rows, temperature=1.0):
+  """-> (logp [R, L], entropy [R, L]) of every token given its prefix in its own sequence."""
+  return _logprobs(_layout_apply(policy, params, rows), rows.tokens, temperature)
+
+
+def layout_values(critic, critic_params, rows: Rows):
+  """The critic's value of the state each token is predicted from [R, L]: its head's column 0
+  (a linear value head on the final hidden state)."""
+  return _layout_apply(critic, critic_params, rows)[..., 0]
+
+
+def over_layout(fn, rows: Rows):
+  """fn(micro-batch Rows) -> [R, L] arrays, applied to every micro-batch of [M, K, R, L] rows."""
+  m, k = rows.tokens.shape[:2]
+  flat = jax.tree.map(lambda x: x.reshape(m * k, *x.shape[2:]), rows)
+  return jax.tree.map(lambda y: y.reshape(m, k, *y.shape[1:]), jax.lax.map(fn, flat))
+
+
+def to_layout(x, slot, shape):
+  """[N, C] per-token values -> layout arrays of `shape` (zero where no completion token lands)."""
+  size = functools.reduce(lambda a, b: a * b, shape)
+  return jnp.zeros(size, x.dtype).at[slot.reshape(-1)].set(x.reshape(-1), mode="drop").reshape(shape)
+
+
+def from_layout(x, slot):
+  """Layout arrays -> [N, C] values at each completion token's slot (zero off the completion)."""
+  return jnp.take(x.reshape(-1), slot, mode="fill", fill_value=0)
