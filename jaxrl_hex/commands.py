@@ -119,17 +119,27 @@ def config_overrides(unparsed: list[str]) -> list[tuple[str, str]]:
 
 def _main(name, args, unparsed):
   cfg = load_config_file(args.config)
-  apply_overrides(cfg, config_overrides(unparsed))
-  if args.gin_file or args.gin_bindings:  # gin binds onto the same ConfigDict, after the --config.* overrides
+  overrides = config_overrides(unparsed)
+  apply_overrides(cfg, overrides)
+  use_gin = bool(args.gin_file or args.gin_bindings)
+  if use_gin:  # gin binds onto the same ConfigDict, after the --config.* overrides (it may name the mesh file)
     apply_gin(cfg, args.gin_file, args.gin_bindings)
+  mesh_file = load_mesh(cfg)
+  if mesh_file.workload:  # a plan's batch is the run's, unless the user set the field (runtime.validate names it)
+    for key, field in (("batch_size", "prompts_per_step"), ("group_size", "group_size")):
+      if f"rollout.{field}" not in {k for k, _ in overrides}:
+        cfg.rollout[field] = mesh_file.workload[key]
+    if use_gin:  # gin bindings win over the plan too
+      apply_gin(cfg, args.gin_file, args.gin_bindings)
   cfg.lock()  # fields can change, none can appear: a typo in code fails like one on the command line
+  if name == "train":  # the backend against the mesh file (replica groups need Ray) before any device is touched
+    check_config(cfg, mesh_file)
   if args.resume and not args.workdir:
     raise UserError("--resume needs --workdir=DIR, the run to continue")
   workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
   absl_logging.set_verbosity(absl_logging.WARNING)
   if os.environ.get("JAXRL_HEX_MULTIHOST"):  # set by `launch tpu`: the slice's hosts form one runtime
     jax.distributed.initialize()
-  mesh_file = load_mesh(cfg)
   if mesh_file.platform == "cpu" and mesh_file.num_devices:
     prepare_cpu_devices(mesh_file.num_devices)
   summary = (train if name == "train" else sft)(cfg, workdir, resume=args.resume)

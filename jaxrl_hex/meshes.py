@@ -49,6 +49,21 @@ class MeshError(UserError):
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicaGroup:
+  """Rollout replicas of one kind (a planner output for a mixed fleet): `count` runtimes, each
+  holding `devices` devices of `device_type` laid out as `axes`."""
+  device_type: str | None
+  count: int
+  axes: dict  # one replica's mesh, e.g. {tensor: 2}
+  share: float | None = None  # the planner's fraction of a batch's sequences for each replica of the group
+  affinity: tuple = ()  # per replica, the CPU cores its process is pinned to (Ray backend on one machine)
+
+  @property
+  def devices(self) -> int:
+    return _size(self.axes)
+
+
+@dataclasses.dataclass(frozen=True)
 class PoolSpec:
   name: str
   device_ids: tuple
@@ -60,7 +75,7 @@ class PoolSpec:
   replicas: int = 1  # rollout: independent copies of this pool, each its own runtime
   ray_options: dict = dataclasses.field(default_factory=dict)  # per worker actor, e.g. {num_gpus: 4}
   affinity: tuple = ()  # CPU cores its processes are pinned to (Ray backend on one machine)
-  groups: tuple = ()  # rollout replicas of differing type / TP degree, as the planner writes them
+  groups: tuple = ()  # of ReplicaGroup: rollout replicas of differing type / layout, as the planner writes them
 
   def partition_spec(self, logical_axes, shape=None, what="array"):
     """Logical axis names -> PartitionSpec over this pool's mesh; checks that each dim divides and
@@ -91,6 +106,18 @@ class PoolSpec:
     for p, ax in jax.tree_util.tree_leaves_with_path(axes_tree, is_leaf=lambda x: isinstance(x, tuple)):
       self.partition_spec(ax, paths[jax.tree_util.keystr(p)].shape, jax.tree_util.keystr(p))
 
+  def replica_specs(self) -> list:
+    """One single-runtime PoolSpec per rollout replica, in group order: each group's layout, or the
+    pool's own layout `replicas` times. Device ids count from 0 (each replica is its own runtime)."""
+    if not self.groups:
+      own = dataclasses.replace(self, device_ids=tuple(range(len(self.device_ids))), replicas=1)
+      return [own] * self.replicas
+    return [
+        PoolSpec(self.name, tuple(range(g.devices)), dict(g.axes), self.rules, g.device_type, 1, 1, 1,
+                 dict(self.ray_options),
+                 tuple(g.affinity[i]) if g.affinity else ()) for g in self.groups for i in range(g.count)
+    ]
+
   @property
   def batch_ways(self) -> int:
     """How many ways the leading batch dim is split; batches must be a multiple of it."""
@@ -106,6 +133,9 @@ class MeshFile:
   platform: str
   num_devices: int | None
   pools: dict  # role -> PoolSpec
+  # A plan's workload (`plan.workload` of a file `jaxrl-hex plan` wrote): {batch_size, group_size}, the
+  # run's rollout.prompts_per_step and rollout.group_size unless the user sets them; None when hand-written.
+  workload: dict | None = None
 
 
 def load_mesh_file(path: str) -> MeshFile:
@@ -132,14 +162,14 @@ def load_mesh_file(path: str) -> MeshFile:
     if bad:
       raise MeshError(f"{path}: pools.{name}.mesh has unknown axes {bad}; use names from {MESH_AXES}")
     groups = _replica_groups(path, name, p.get("replicas"))
-    size = sum(g["count"] * _size(g["mesh"]) for g in groups) if groups else _size(axes)
+    size = sum(g.count * g.devices for g in groups) if groups else _size(axes)
     if size != len(ids):
       what = "its replica groups use" if groups else f"mesh {axes} has"
       raise MeshError(f"{path}: pools.{name}.{'replicas' if groups else 'mesh'}: {what} {size} devices but the "
                       f"pool lists {len(ids)}; make the sizes multiply to the device count")
     rules = _rules(path, name, p.get("rules") or {})
     processes = int(p.get("processes", 1))
-    replicas = sum(g["count"] for g in groups) if groups else int(p.get("replicas", 1))
+    replicas = sum(g.count for g in groups) if groups else int(p.get("replicas", 1))
     if len(ids) % processes:
       raise MeshError(f"{path}: pools.{name} has {len(ids)} devices over {processes} processes; "
                       "make the device count a multiple of processes")
@@ -154,7 +184,22 @@ def load_mesh_file(path: str) -> MeshFile:
     shared = sorted({i for i in all_ids if all_ids.count(i) > 1})
     raise MeshError(f"{path}: pools share devices {shared}; give each pool its own devices, or set "
                     "share_devices: true (one accelerator: both pools on it, weights held twice)")
-  return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools)
+  return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools, _plan_workload(path, raw.get("plan")))
+
+
+def _plan_workload(path, plan) -> dict | None:
+  """`plan.workload.{batch_size, group_size}` of a planner-written file, or None."""
+  workload = plan.get("workload") if isinstance(plan, dict) else None
+  if workload is None:
+    return None
+  out = {}
+  for key in ("batch_size", "group_size"):
+    value = workload.get(key) if isinstance(workload, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise MeshError(f"{path}: plan.workload.{key} must be a positive integer, got {value!r}; "
+                      "write the plan again with `jaxrl-hex plan` or delete the plan block")
+    out[key] = value
+  return out
 
 
 def _rules(path, pool, overrides: dict) -> dict:
@@ -181,13 +226,87 @@ def _size(axes) -> int:
 
 
 def _replica_groups(path, name, replicas) -> list:
-  """`replicas: [{device_type, count, mesh: {tensor: T}}]` (a heterogeneous rollout side), or []."""
+  """`replicas: [{device_type, count, mesh: {tensor: T}, share, affinity}]` (a heterogeneous rollout
+  side) -> [ReplicaGroup], or [] when `replicas` is a plain count."""
   if not isinstance(replicas, list):
     return []
+  groups = []
   for i, g in enumerate(replicas):
+    where = f"{path}: pools.{name}.replicas[{i}]"
     if not isinstance(g, dict) or not isinstance(g.get("count"), int) or not isinstance(g.get("mesh"), dict):
-      raise MeshError(f"{path}: pools.{name}.replicas[{i}] needs count (int) and mesh ({{tensor: T}})")
-  return [dict(g) for g in replicas]
+      raise MeshError(f"{where} needs count (int) and mesh ({{tensor: T}})")
+    bad = [a for a in g["mesh"] if a not in MESH_AXES]
+    if bad:
+      raise MeshError(f"{where}.mesh has unknown axes {bad}; use names from {MESH_AXES}")
+    affinity = tuple(tuple([c] if isinstance(c, int) else c) for c in g.get("affinity") or ())
+    if affinity and len(affinity) != g["count"]:
+      raise MeshError(
+          f"{where}.affinity lists {len(affinity)} core sets for {g['count']} replicas; give one per replica")
+    share = g.get("share")
+    if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+      raise MeshError(f"{where}.share must be a number in (0, 1] (each replica's fraction of a batch's sequences), "
+                      f"got {share!r}")
+    groups.append(ReplicaGroup(g.get("device_type"), g["count"], dict(g["mesh"]), share, affinity))
+  _check_shares(path, name, groups)
+  return groups
+
+
+SHARE_TOLERANCE = 1e-3  # how far sum(count x share) may sit from 1 (shares written rounded)
+
+
+def _check_shares(path, name, groups):
+  """Shares are all given or all left to the runtime, and cover the batch once: sum(count x share) = 1."""
+  given = [g.share is not None for g in groups]
+  if any(given) and not all(given):
+    missing = [i for i, has in enumerate(given) if not has]
+    raise MeshError(f"{path}: pools.{name}.replicas{missing} have no share while other groups do; give every "
+                    "group a share (each replica's fraction of a batch's sequences) or none")
+  if all(given) and groups:
+    total = sum(g.count * g.share for g in groups)
+    if abs(total - 1) > SHARE_TOLERANCE:
+      raise MeshError(f"{path}: pools.{name}.replicas: the shares cover {total:.4g} of a batch (sum of count x "
+                      "share over the groups); make them sum to 1, or drop share to let the runtime divide the batch")
+
+
+def check_replica_shares(path, spec: PoolSpec, prompts: int, group_size: int, note: str = ""):
+  """Each replica group's share of a batch of `prompts` x `group_size` sequences is whole prompt groups that
+  the replica's own batch axes divide, and the groups' prompts add up to the batch (what `jaxrl-hex plan`
+  writes; runtime.validate checks it for plan files). `note` (which field overrides a plan, ending in "or ")
+  goes into the message before the fix."""
+  if not spec.groups or any(g.share is None for g in spec.groups):
+    return
+  sequences, total = prompts * group_size, 0
+  for i, g in enumerate(spec.groups):
+    where = f"{path}: pools.{spec.name}.replicas[{i}].share"
+    n = g.share * prompts  # prompts per replica of the group
+    if abs(n - round(n)) > 1e-3 * max(1.0, n):
+      raise MeshError(f"{where} = {g.share:g} gives each replica {g.share * sequences:g} of the {sequences} sequences "
+                      f"of a batch (rollout.prompts_per_step x rollout.group_size), not whole prompt groups of "
+                      f"{group_size}; {note}make share x {prompts} prompts a whole number (or plan again with "
+                      f"`jaxrl-hex plan` for this batch)")
+    ways = _size({a: v for a, v in g.axes.items() if a in spec.rules["batch"]})
+    if round(n) * group_size % ways:
+      raise MeshError(f"{where} gives each replica {round(n) * group_size} sequences, which its batch axes "
+                      f"({ways} ways) do not divide; {note}make the share's sequences a multiple of {ways}")
+    total += g.count * round(n)
+  if total != prompts:
+    raise MeshError(f"{path}: pools.{spec.name}.replicas: the shares hand out {total} prompts per batch (sum of count "
+                    f"x share x {prompts}) but a batch has rollout.prompts_per_step = {prompts}; {note}make the "
+                    "shares sum to 1 over the fleet")
+
+
+def check_replica_layouts(path, spec: PoolSpec, axes_tree, shapes_tree, fix: str):
+  """Every replica group's own layout shards the policy (check_shardable on each of replica_specs());
+  the message names the group, pools.NAME.replicas[i], and `fix`."""
+  replicas, first = spec.replica_specs(), 0
+  for i, g in enumerate(spec.groups):
+    try:
+      replicas[first].check_shardable(axes_tree, shapes_tree)
+    except MeshError as e:
+      detail = str(e).removeprefix(f"pools.{spec.name}: ").split("; ")[0]
+      raise MeshError(f"{path}: pools.{spec.name}.replicas[{i}] (device_type {g.device_type}, mesh {g.axes}): "
+                      f"{detail}; {fix}") from None
+    first += g.count
 
 
 def prepare_cpu_devices(n: int):

@@ -7,6 +7,7 @@ one (the algorithm registry, the sync methods, the mesh file, the task's tokeniz
 checks live with the backends (cluster/__init__.py).
 """
 import dataclasses
+import math
 import typing
 
 from jaxrl_hex import meshes
@@ -30,6 +31,7 @@ class Runtime:
   mesh_file: meshes.MeshFile
   policy: Policy
   own_runtime: bool = False  # a Ray worker: its pool is the whole runtime, device ids count from 0
+  replica: int | None = None  # a Ray rollout worker: which of the rollout pool's replica_specs() it is
   _pools: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -39,7 +41,9 @@ class Runtime:
   def pool(self, role: str) -> meshes.Pool:
     if role not in self._pools:
       spec = self.mesh_file.pools[role]
-      if self.own_runtime:
+      if role == "rollout" and self.replica is not None:  # its replica group's own layout and devices
+        spec = spec.replica_specs()[self.replica]
+      elif self.own_runtime:
         spec = dataclasses.replace(spec, device_ids=tuple(range(len(spec.device_ids))))
       self._pools[role] = meshes.Pool(spec)
     return self._pools[role]
@@ -68,22 +72,53 @@ def validate(cfg, mesh_file=None, tokenizer=None):
     if role not in mesh_file.pools:
       raise ConfigError(f"{mesh_file.path}: no '{role}' pool; add pools.{role} with devices and mesh")
   r = cfg.rollout
+  # A plan's workload is the run's unless the user set the field (commands._main); name such overrides.
+  plan = mesh_file.workload or {}
+  overrides = [
+      f"rollout.{field}={value} overrides the plan's {plan[key]}"
+      for key, field, value in (("batch_size", "prompts_per_step", r.prompts_per_step),
+                                ("group_size", "group_size", r.group_size)) if key in plan and plan[key] != value
+  ]
+  note = f"{', '.join(overrides)} in {mesh_file.path}: drop the override or " if overrides else ""
   sizes = {
       "rollout.prompts_per_step x rollout.group_size": r.prompts_per_step * r.group_size,
       "sft.batch_size": cfg.sft.batch_size
   }
   for role, field in BATCHES:
-    ways = mesh_file.pools[role].batch_ways
+    spec = mesh_file.pools[role]
+    if spec.groups:  # each replica group has its own layout and share, checked below
+      continue
+    ways = spec.batch_ways
     if sizes[field] % ways:
-      raise ConfigError(f"{field} = {sizes[field]} does not divide the {role} pool's batch axes ({ways} ways); "
-                        f"pick a multiple of {ways}")
+      fix = f"pick a multiple of {ways}"
+      if field.startswith("rollout."):
+        fix = (f"{note}{fix} (rollout.prompts_per_step a multiple of {ways // math.gcd(ways, r.group_size)} at "
+               f"group_size {r.group_size})")
+      raise ConfigError(f"{field} = {sizes[field]} does not divide the {role} pool's batch axes ({ways} ways); {fix}")
+  rollout = mesh_file.pools["rollout"]
+  if rollout.groups:
+    if mesh_file.workload is not None:  # a plan's shares are whole prompts; hand-written ones are the router's prior
+      meshes.check_replica_shares(mesh_file.path, rollout, r.prompts_per_step, r.group_size, note)
+    m = cfg.model
+    try:  # the architecture as far as the config knows it (vocab_size 0 = the tokenizer's: not yet known)
+      policy = Policy.build(model_config(**m)) if m.vocab_size > 0 else None
+    except (ValueError, TypeError):
+      policy = None  # build_runtime reports a bad model config
+    if policy is not None:
+      dims = (m.n_heads, m.n_kv_heads, m.mlp_dim, m.vocab_size)
+      degrees = [t for t in (1, 2, 4, 8, 16) if not any(d % t for d in dims)]
+      meshes.check_replica_layouts(
+          mesh_file.path, rollout, policy.logical_axes(), policy.shapes(),
+          f"use a tensor degree that divides the model's {m.n_heads} heads, {m.n_kv_heads} KV heads, MLP "
+          f"{m.mlp_dim} and vocab {m.vocab_size}: one of {degrees}")
 
 
 def load_mesh(cfg) -> meshes.MeshFile:
   return meshes.load_mesh_file(resolve_path(cfg.mesh_file))
 
 
-def build_runtime(cfg, own_runtime=False) -> Runtime:
+def build_runtime(cfg, own_runtime=False, replica=None) -> Runtime:
+  """replica: a Ray rollout worker's index into the rollout pool's replica_specs() (its layout)."""
   mesh_file = load_mesh(cfg)
   if cfg.get("model_dir"):  # the architecture is the checkpoint's config.json; precision stays the run's
     with cfg.unlocked():
@@ -97,6 +132,8 @@ def build_runtime(cfg, own_runtime=False) -> Runtime:
     policy = Policy.build(model_config(**cfg.model))
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  for spec in mesh_file.pools.values():  # a parameter that cannot shard fails here, not inside jit
+  rollout = mesh_file.pools.get("rollout")
+  groups = rollout.replica_specs() if rollout is not None and rollout.groups else []
+  for spec in [*mesh_file.pools.values(), *groups]:  # a parameter that cannot shard fails here, not inside jit
     spec.check_shardable(policy.logical_axes(), policy.shapes())
-  return Runtime(cfg, task, mesh_file, policy, own_runtime)
+  return Runtime(cfg, task, mesh_file, policy, own_runtime, replica)

@@ -88,7 +88,7 @@ def test_every_shipped_mesh_file_loads(name):
   spec = meshes.load_mesh_file(os.path.join(ROOT, "meshes", name))
   assert {"train", "rollout"} <= set(spec.pools)
   for pool in spec.pools.values():
-    layouts = [(g["count"], g["mesh"]) for g in pool.groups] or [(1, pool.axes)]
+    layouts = [(g.count, g.axes) for g in pool.groups] or [(1, pool.axes)]
     assert sum(count * int(np.prod(list(axes.values()))) for count, axes in layouts) == len(pool.device_ids)
 
 

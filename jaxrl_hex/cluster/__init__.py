@@ -18,11 +18,21 @@ from jaxrl_hex.errors import ConfigError
 BACKENDS = {"local": local_sides, "ray": lambda rt, workdir, resume, recorder: ray_sides(rt, workdir, resume)}
 
 
-def check_config(cfg):
-  """The backend fields against each other, before any work starts; raises ConfigError."""
+def check_config(cfg, mesh_file=None):
+  """The backend fields against each other and against the mesh file (when given), before any work
+  starts and before any device is touched; raises ConfigError."""
   backend, method = cfg.cluster.backend, cfg.sync.method
   if backend not in BACKENDS:
     raise ConfigError(f"cluster.backend={backend!r}; use one of {tuple(BACKENDS)}")
+  if mesh_file is not None and backend == "local":
+    for role, spec in mesh_file.pools.items():
+      if spec.groups:
+        raise ConfigError(f"{mesh_file.path}: pools.{role}.replicas holds {len(spec.groups)} replica group(s), each "
+                          "replica its own runtime, which the local backend (one runtime) cannot run; use "
+                          "--config.cluster.backend=ray (with --config.sync.method=orbax or direct)")
+    if mesh_file.platform == "mixed":
+      raise ConfigError(f"{mesh_file.path}: platform mixed puts the pools on different platforms, one JAX runtime "
+                        "each, which the local backend cannot run; use --config.cluster.backend=ray")
   if backend == "local" and method == "direct":
     raise ConfigError("sync.method=direct moves weights through Ray's object store; use it with "
                       "--config.cluster.backend=ray, or device_put / orbax in one process")

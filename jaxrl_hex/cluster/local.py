@@ -107,11 +107,14 @@ class LocalRolloutSide:
       return start, time.time()
     return None
 
-  def generate(self, records, group_size, seed, batch_index, handle):
-    """-> (Rollout, receive span or None). Weights are at least handle.version."""
+  def generate(self, records, group_size, seed, batch_index, handle, chunk=None):
+    """-> (Rollout, receive span or None). Weights are at least handle.version. `chunk`: a routed
+    part of a batch (cluster/router.py) gets its own key, fold_in of the batch's by `chunk`."""
     span = self.refresh(self.engine, handle)
-    rollout = self.engine.generate([r["prompt"] for r in records], group_size,
-                                   jax.random.fold_in(jax.random.key(seed), batch_index),
+    key = jax.random.fold_in(jax.random.key(seed), batch_index)
+    if chunk is not None:
+      key = jax.random.fold_in(key, chunk)
+    rollout = self.engine.generate([r["prompt"] for r in records], group_size, key,
                                    group_ids=[r["index"] for r in records])
     return rollout, span
 

@@ -1,19 +1,29 @@
 """The Ray backend, driver side: the train pool is a group of TrainWorker actors forming one
-multi-controller JAX runtime; the rollout pool is `replicas` RolloutWorker actors, each its own
-runtime. Trajectories and weight handles travel through Ray.
+multi-controller JAX runtime; the rollout pool is one RolloutWorker actor per replica of its
+replica_specs(), each its own runtime with its replica group's layout, device type and pinning.
+Trajectories and weight handles travel through Ray.
 
-A rollout worker that dies or runs past cluster.worker_timeout_s is replaced, and the batch it
-held is generated again by the replacement with the newest weights: prompts are bound to a
-batch before generation, so each is consumed exactly once. A train process that dies or runs
-past cluster.train_timeout_s stops the run (RunStopped); --resume continues it from the last
-checkpoint with a fresh cluster.
+Batches are routed (cluster/router.py): a batch's prompt groups are spread over the replicas by
+their measured throughput, an idle replica takes unstarted groups wherever they are, and the
+batch's Rollout comes back once every group is done. A rollout worker that dies or runs past
+cluster.worker_timeout_s is replaced with the same layout, and the chunk it held goes back to
+the front of the router's queue: every prompt is generated exactly once. A train process that
+dies or runs past cluster.train_timeout_s stops the run (RunStopped); --resume continues it from
+the last checkpoint with a fresh cluster.
 """
-import queue
+import json
+import math
+import os
 import socket
 import threading
+import time
+
+import numpy as np
 
 from jaxrl_hex.cluster.local import sync_directory
-from jaxrl_hex.cluster.workers import RolloutWorker, TrainWorker
+from jaxrl_hex.cluster.router import Router
+from jaxrl_hex.cluster.workers import RolloutWorker, TrainWorker, accelerator_kind
+from jaxrl_hex.data.rollouts import concat_rollouts, select_rows
 from jaxrl_hex.errors import RunStopped, UserError
 from jaxrl_hex.sync.direct import merge_manifests
 from jaxrl_hex.sync.orbax_sync import OrbaxSync
@@ -41,8 +51,23 @@ def connect(address: str):
                     "`ray start --head` or leave the address empty for a local Ray") from None
 
 
+def _demands(mesh_file) -> list:
+  """(what, device kind, devices) of every pool, and of every replica group of a rollout pool."""
+  out = []
+  for role, spec in mesh_file.pools.items():
+    if spec.groups:
+      for i, g in enumerate(spec.groups):
+        kind = accelerator_kind(g.device_type or spec.device_type, mesh_file.platform)
+        out.append((f"pools.{role}.replicas[{i}] ({g.device_type or kind} x{g.count})", kind, g.count * g.devices))
+    else:
+      out.append((f"pools.{role}", accelerator_kind(spec.device_type,
+                                                    mesh_file.platform), len(spec.device_ids) * spec.replicas))
+  return out
+
+
 def check_cluster(mesh_file):
-  """A mesh file must not ask for more hosts or accelerators than the cluster has."""
+  """A mesh file must not ask for more hosts or accelerators than the cluster has; a replica
+  group of a kind the cluster lacks is named."""
   import ray
   nodes = [n for n in ray.nodes() if n.get("Alive")]
   resources = ray.cluster_resources()
@@ -50,13 +75,17 @@ def check_cluster(mesh_file):
     if spec.hosts > len(nodes):
       raise UserError(f"{mesh_file.path}: pools.{role} spans {spec.hosts} hosts but the Ray cluster has "
                       f"{len(nodes)} node(s); lower hosts or add nodes")
+  demands = _demands(mesh_file)
   for kind, key in (("gpu", "GPU"), ("tpu", "TPU")):
-    want = sum(
-        len(s.device_ids) * s.replicas for s in mesh_file.pools.values()
-        if (s.device_type or mesh_file.platform).lower().startswith(kind) or mesh_file.platform == kind)
-    if want and resources.get(key, 0) < want:
-      raise UserError(f"{mesh_file.path}: the pools need {want} {key}s but the Ray cluster has "
-                      f"{int(resources.get(key, 0))}; shrink the pools or add {key} nodes")
+    have = int(resources.get(key, 0))
+    mine = [(what, n) for what, k, n in demands if k == kind]
+    if mine and not have:
+      raise UserError(f"{mesh_file.path}: {mine[0][0]} needs {mine[0][1]} {key}s but the Ray cluster has no {key}; "
+                      f"add {key} nodes or move that group to a device type the cluster has")
+    want = sum(n for _, n in mine)
+    if want and have < want:
+      raise UserError(f"{mesh_file.path}: the pools need {want} {key}s ({', '.join(w for w, _ in mine)}) but the Ray "
+                      f"cluster has {have}; shrink the pools or add {key} nodes")
 
 
 def _unwrap(error):
@@ -158,83 +187,254 @@ class RayTrainSide:
       self._ray.kill(w)
 
 
-class RayRolloutSide:
+def _group_options(spec, platform) -> dict:
+  """Ray resources of a replica of a replica group (a planner's file has no `ray:` options): its
+  accelerators, unless the mesh file's `ray:` says otherwise."""
+  kind, options = accelerator_kind(spec.device_type, platform), dict(spec.ray_options)
+  if kind == "gpu" and "num_gpus" not in options:
+    options["num_gpus"] = len(spec.device_ids)
+  if kind == "tpu" and "TPU" not in options.get("resources", {}):
+    options["resources"] = dict(options.get("resources", {}), TPU=len(spec.device_ids))
+  return options
 
-  def __init__(self, rt, workdir):
+
+def _slots(rollout_cfg, share, pieces, spec) -> int:
+  """Decode slots of a replica's engine when rollout.slots is auto: the rows of one routed piece of
+  its share of a batch (a decode step computes every slot, live or not, so a replica sized for a
+  whole batch would pay a batch's compute for its piece), at least one group, a multiple of the
+  replica's batch axes."""
+  r = rollout_cfg
+  if r.slots:
+    return r.slots
+  rows = r.group_size * max(1, math.ceil(share * r.prompts_per_step / pieces - 1e-9))
+  ways = spec.batch_ways
+  return -(-rows // ways) * ways
+
+
+class _SpanLog:
+  """Appends the rollout side's own spans to WORKDIR/spans.jsonl (as a Ray train process does
+  for its rows): per-chunk generate and receive spans, per-batch routing figures."""
+
+  def __init__(self, workdir):
+    os.makedirs(workdir, exist_ok=True)
+    self._file = open(os.path.join(workdir, "spans.jsonl"), "a")
+    self._lock = threading.Lock()
+
+  def span(self, kind, start, end, **extra):
+    with self._lock:
+      if not self._file.closed:
+        self._file.write(json.dumps(dict(pool="rollout", kind=kind, start=start, end=end, **extra)) + "\n")
+        self._file.flush()
+
+  def close(self):
+    with self._lock:
+      self._file.close()
+
+
+class RayRolloutSide:
+  """One RolloutWorker per replica of the rollout pool's replica_specs() (each replica group's own
+  layout, device type and pinning), fed by a Router: generate() hands a batch's prompt groups
+  to the router and returns once every group is done; one thread per replica pulls chunks and
+  runs them on its worker. Several batches may be in flight (up to `replicas`, by the gate).
+  `pieces`: each replica's share of a batch is handed out in that many chunks, so part of every
+  share stays stealable by a replica that runs ahead; its engine's decode slots fit one piece."""
+
+  def __init__(self, rt, workdir, pieces=2):
     import ray
 
     self._ray = ray
     self.spec = rt.mesh_file.pools["rollout"]
-    self.replicas = self.spec.replicas
+    self.replica_specs = self.spec.replica_specs()
+    self.replicas = len(self.replica_specs)
+    groups = self.spec.groups
+    self.group_of = [gi for gi, g in enumerate(groups) for _ in range(g.count)] if groups else [0] * self.replicas
+    shares = [g.share for g in groups for _ in range(g.count)] if groups else None
     self.timeout = rt.cfg.cluster.worker_timeout_s
     self.max_restarts = rt.cfg.cluster.max_restarts
     self._args = (rt.cfg.to_json_best_effort(), workdir)
-    self._cls = _actor(RolloutWorker, self.spec, max_concurrency=2)  # offer() lands during generate()
-    self.workers = [self._cls.remote(*self._args) for _ in range(self.replicas)]
+    # max_concurrency: offer() and evaluate() land during a chunk's generate
+    self._cls = [
+        _actor(RolloutWorker, s, max_concurrency=3, **(_group_options(s, rt.mesh_file.platform) if groups else {}))
+        for s in self.replica_specs
+    ]
+    pieces = 1 if self.replicas == 1 else pieces
+    self.router = Router(self.replicas, shares, pieces=pieces)
+    self.slots = [_slots(rt.cfg.rollout, share, pieces, s) for share, s in zip(self.router.prior, self.replica_specs)]
+    self.workers = [cls.remote(*self._args, i, self.slots[i]) for i, cls in enumerate(self._cls)]
     try:
       ray.get([w.ready.remote() for w in self.workers])
     except ray.exceptions.RayTaskError as e:
+      for w in self.workers:
+        ray.kill(w)
       raise _unwrap(e) from None
-    self._free = queue.Queue()
-    for i in range(self.replicas):
-      self._free.put(i)
+    self._locks = [threading.Lock() for _ in range(self.replicas)]  # replacing replica i
     self._lock = threading.Lock()
+    self._restart_lock = threading.Lock()
     self.restarts = 0
     self.on_restart = None
+    self._offered = None  # newest handle offered: a chunk (or a replacement) starts from it
+    self._warm = set()  # workers past their first chunk
+    self._starting = set()  # replicas whose replacement is starting
+    self._closing = False
+    self._spans = _SpanLog(workdir)
+    self._threads = [
+        threading.Thread(target=self._serve, args=(i,), name=f"rollout-replica-{i}", daemon=True)
+        for i in range(self.replicas)
+    ]
+    for t in self._threads:
+      t.start()
 
-  def _call(self, method, *args):
-    """Runs `method` on a free replica; a lost replica is replaced and the call repeated."""
-    ray = self._ray
-    i = self._free.get()
-    try:
-      while True:
-        worker = self.workers[i]
-        try:
-          return ray.get(getattr(worker, method).remote(*args), timeout=self.timeout)
-        except ray.exceptions.RayTaskError as e:
-          raise _unwrap(e) from None
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-          self._replace(i, worker)
-    finally:
-      self._free.put(i)
-
+  # ---- replicas -----------------------------------------------------------------------------
   def _replace(self, i, worker):
-    with self._lock:
-      self.restarts += 1
-      if self.restarts > self.max_restarts:
-        raise RuntimeError(f"rollout workers were lost {self.restarts} times (cluster.max_restarts="
-                           f"{self.max_restarts}); see the Ray logs for why they die")
-    self._ray.kill(worker, no_restart=True)
-    self.workers[i] = self._cls.remote(*self._args)
-    self._ray.get(self.workers[i].ready.remote())
-    if self.on_restart is not None:
-      self.on_restart()
+    """A lost or hung replica -> a new one with the same layout (the same replica index)."""
+    with self._locks[i]:
+      if self.workers[i] is not worker or self._closing:  # another caller replaced it already
+        return
+      with self._lock:
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+          raise RuntimeError(f"rollout workers were lost {self.restarts} times (cluster.max_restarts="
+                             f"{self.max_restarts}); see the Ray logs for why they die")
+      self._ray.kill(worker, no_restart=True)
+      self._warm.discard(worker)
+      self.workers[i] = self._cls[i].remote(*self._args, i, self.slots[i])
+      self._starting.add(i)
+      try:
+        self._ray.get(self.workers[i].ready.remote())
+      finally:
+        self._starting.discard(i)
+      now = time.time()
+      try:
+        process = self._ray.get(self.workers[i].describe.remote(), timeout=30)
+      except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+        process = {"lost": True}
+      self._spans.span("replaced", now, now, replica=i, group=self.group_of[i], process=process)
+    with self._restart_lock:  # one rewrite of cluster.json at a time: the last one sees every replacement
+      if self.on_restart is not None and not self._closing:
+        self.on_restart()
 
+  def _newest(self, handle):
+    offered = self._offered
+    return offered if offered is not None and offered.version > handle.version else handle
+
+  def _serve(self, i):
+    """Replica i's loop: pull a chunk, generate it, report it; a loss gives the chunk back."""
+    ray = self._ray
+    while True:
+      chunk = self.router.next_chunk(i)
+      if chunk is None:
+        return
+      group_size, seed, handle = chunk.context
+      worker = self.workers[i]
+      t0 = time.time()
+      try:
+        out = ray.get(worker.generate_chunk.remote(chunk.groups, group_size, seed, chunk.batch, self._newest(handle)),
+                      timeout=self.timeout)
+      except ray.exceptions.RayTaskError as e:
+        self.router.fail(chunk.batch, _unwrap(e))
+        continue
+      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        self.router.give_back(chunk)  # to the front of the queue: every prompt still used exactly once
+        self._spans.span("lost", t0, time.time(), replica=i, group=self.group_of[i], batch=chunk.batch,
+                         prompts=len(chunk.groups))
+        if self._closing:
+          return
+        try:
+          self._replace(i, worker)
+        except BaseException as e:  # noqa: BLE001 -- too many losses: every waiting batch raises it
+          self.router.close(e)
+          return
+        continue
+      t1 = time.time()
+      rollout = out["rollout"]
+      receive_s = out["receive"][1] - out["receive"][0] if out["receive"] is not None else 0.0
+      warm = worker in self._warm  # a fresh worker's first chunk pays its warm-up: no measure of speed
+      self.router.finish(chunk, out, rollout.num_tokens, overhead_s=out["compile_s"] + receive_s, measure=warm)
+      self._warm.add(worker)
+      where = {"replica": i, "group": self.group_of[i], "batch": chunk.batch}
+      if out["receive"] is not None:
+        self._spans.span("receive", *out["receive"], version=out["version"], bytes=out["receive_bytes"], **where)
+      self._spans.span("generate_chunk", t0, t1, prompts=len(chunk.groups), tokens=rollout.num_tokens,
+                       compile_s=out["compile_s"], **where)
+
+  # ---- the rollout side's interface ---------------------------------------------------------
   def offer(self, handle):
     """Every replica gets the newest weights' handle at once, also while it generates: in-flight
     sequences switch at the engine's next hand-back (rollout.interrupt), as in the local backend.
-    Fire and forget: a lost replica's replacement starts from the next generate's handle."""
+    Fire and forget: a replacement starts from the newest handle at its next chunk."""
+    self._offered = handle
     for worker in self.workers:
       worker.offer.remote(handle)
 
   def generate(self, records, group_size, seed, batch_index, handle):
-    return self._call("generate", records, group_size, seed, batch_index, handle)
+    """The batch's prompt groups through the router -> (Rollout in the records' order, the span
+    over its chunks' weight receives, or None)."""
+    self.router.add_batch(batch_index, list(records), (group_size, seed, handle))
+    results, stats = self.router.wait(batch_index)
+    positions = np.concatenate([np.repeat(np.asarray(ps), group_size) for ps, _ in results])  # [N] record of each row
+    rollout = select_rows(concat_rollouts([out["rollout"] for _, out in results]), np.argsort(positions, kind="stable"))
+    receives = [out["receive"] for _, out in results if out["receive"] is not None]
+    span = (min(a for a, _ in receives), max(b for _, b in receives)) if receives else None
+    now = time.time()
+    for r in stats["replicas"]:
+      r["group"] = self.group_of[r["replica"]]
+    self._spans.span("route", now - stats["seconds"], now, batch=batch_index, replicas=stats["replicas"],
+                     shares=self.router.shares())
+    return rollout, span
 
   def evaluate(self, records, handle):
-    return self._call("evaluate", records, handle)
+    """Greedy completions on the replica with the largest share (beside its current chunk)."""
+    shares = self.router.shares()
+    i = max(range(self.replicas), key=lambda r: shares[r])
+    ray = self._ray
+    while True:
+      worker = self.workers[i]
+      try:
+        return ray.get(worker.evaluate.remote(records, self._newest(handle)), timeout=self.timeout)
+      except ray.exceptions.RayTaskError as e:
+        raise _unwrap(e) from None
+      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        if self._closing:
+          raise RuntimeError("the rollout side was closed during evaluate") from None
+        self._replace(i, worker)
 
   def describe(self) -> dict:
+    """Every replica group with its replicas' processes (pid, host, devices, layout, device type)."""
     processes = []
     for replica, w in enumerate(list(self.workers)):
       try:
-        processes.append(dict(self._ray.get(w.describe.remote(), timeout=30), replica=replica))
+        info = self._ray.get(w.describe.remote(), timeout=30)
       except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
-        processes.append({"replica": replica, "lost": True})
-    return {"role": "rollout", "backend": "ray", "mesh": self.spec.axes, "processes": processes}
+        info = {"lost": True}
+      processes.append(dict(info, replica=replica, group=self.group_of[replica]))
+    stats = self.router.stats
+    groups = []
+    for gi in sorted(set(self.group_of)):
+      members = [r for r in range(self.replicas) if self.group_of[r] == gi]
+      spec = self.replica_specs[members[0]]
+      g = self.spec.groups[gi] if self.spec.groups else None
+      groups.append({
+          "group": gi,
+          "device_type": spec.device_type,
+          "mesh": dict(spec.axes),
+          "count": len(members),
+          "share": g.share if g is not None else None,
+          "processes": [processes[r] for r in members],
+          "routed": [dict(stats[r], replica=r) for r in members],
+      })
+    return {"role": "rollout", "backend": "ray", "mesh": self.spec.axes, "groups": groups, "processes": processes}
 
   def close(self):
+    with self._restart_lock:  # a cluster.json rewrite in flight ends first; none starts after
+      self._closing = True
+    self.router.close()
+    for i in list(self._starting):  # a replacement still starting comes up (and is logged) before the kill
+      self._threads[i].join(timeout=60)
     for w in self.workers:
       self._ray.kill(w)
+    for t in self._threads:
+      t.join(timeout=10)
+    self._spans.close()
 
 
 def ray_sides(rt, workdir, resume):

@@ -9,8 +9,23 @@ from jax.experimental import multihost_utils
 from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide, sync_directory
 from jaxrl_hex.config import config_from_json
 from jaxrl_hex.metrics import Recorder
+from jaxrl_hex.planner.catalog import load_catalog
 from jaxrl_hex.runtime import build_runtime, load_mesh
 from jaxrl_hex.sync import make_sync
+
+
+def accelerator_kind(device_type, platform) -> str:
+  """A mesh file's device type (cpu, gpu, tpu, or a catalog name such as H800 or v5e) -> its
+  platform: what Ray schedules the replica on and how its JAX starts."""
+  name = (device_type or platform or "cpu").lower()
+  for kind in ("cpu", "gpu", "tpu"):
+    if name.startswith(kind):
+      return kind
+  try:
+    catalog = {k.lower(): d for k, d in load_catalog().items()}
+  except Exception:  # noqa: BLE001 -- an unreadable catalog: fall back to the file's platform
+    catalog = {}
+  return catalog[name].platform if name in catalog else (platform or "cpu")
 
 
 def _start_jax(platform, local_devices, affinity, coordinator=None, num_processes=1, process_id=0):
@@ -95,16 +110,23 @@ class TrainWorker:
 
 
 class RolloutWorker:
-  """One rollout replica: a single-process runtime with the rollout pool's mesh."""
+  """Rollout replica `replica`: a single-process runtime with its replica group's layout
+  (the rollout pool's replica_specs()[replica]), so weights arrive onto that layout."""
 
-  def __init__(self, cfg_json, workdir):
+  def __init__(self, cfg_json, workdir, replica=0, slots=None):
+    """slots: decode slots for this replica's engine (its routed share of a batch), when
+    rollout.slots is auto; None keeps the config's."""
     cfg = config_from_json(cfg_json)
+    if slots and not cfg.rollout.slots:
+      with cfg.unlocked():
+        cfg.rollout.slots = int(slots)
     mesh_file = load_mesh(cfg)
-    spec = mesh_file.pools["rollout"]
-    _start_jax(mesh_file.platform, len(spec.device_ids), spec.affinity)
-    rt = build_runtime(cfg, own_runtime=True)
+    spec = mesh_file.pools["rollout"].replica_specs()[replica]
+    _start_jax(accelerator_kind(spec.device_type, mesh_file.platform), len(spec.device_ids), spec.affinity)
+    rt = build_runtime(cfg, own_runtime=True, replica=replica)
     sync = make_sync(cfg.sync.method, rt.policy.shapes(), rt.shardings("rollout"), sync_directory(cfg, workdir))
     self.side = LocalRolloutSide(rt, sync)
+    self.replica, self.device_type = replica, spec.device_type
 
   def ready(self) -> bool:
     return True
@@ -115,8 +137,28 @@ class RolloutWorker:
   def evaluate(self, records, handle):
     return self.side.evaluate(records, handle)
 
+  def generate_chunk(self, records, group_size, seed, batch_index, handle) -> dict:
+    """A routed part of a batch: its own rng key (fold_in by its first prompt's index, unique in
+    the batch) -> {rollout, receive: span or None, receive_bytes: what this replica's devices hold,
+    version, compile_s}."""
+    engine = self.side.engine
+    compiled = engine.compile_seconds
+    rollout, span = self.side.generate(records, group_size, seed, batch_index, handle, chunk=records[0]["index"])
+    held = 0
+    if span is not None:
+      held = sum(s.data.nbytes for leaf in jax.tree.leaves(engine.params) for s in leaf.addressable_shards)
+    return {
+        "rollout": rollout,
+        "receive": span,
+        "receive_bytes": held,
+        "version": engine.version,
+        "compile_s": engine.compile_seconds - compiled  # a new shape's compile is no measure of speed
+    }
+
   def describe(self) -> dict:
-    return _describe()
+    pool = self.side.rt.pool("rollout")
+    return dict(_describe(), replica=self.replica, device_type=self.device_type or pool.describe()["platform"],
+                platform=pool.describe()["platform"], mesh=pool.axis_sizes)
 
   def offer(self, handle):
     """Runs beside generate() (the actor takes two calls at once): the engine picks it up at its

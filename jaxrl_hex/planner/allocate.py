@@ -1,15 +1,19 @@
 """Allocation: split a cluster into a training pool and rollout replicas, and pick each layout.
 
 The training pool is one device type (one JAX runtime, one mesh), so the outer search walks
-the training FLOP share in its natural steps -- every (type, chip count) -- and keeps the best
-layout for each. The rollout side is the AReaL-Hex MILP over replica configurations psi:
-integer replica counts y_psi and sequence assignments x_psi with sum x = B and
-s_psi + time_psi(x_psi / y_psi) <= Theta, where s_psi is the replica's weight-receive pause and
+the training FLOP share in its natural steps -- every (type, chip count) the platform can run as
+one runtime (whole GPU hosts, TPU slice shapes) -- and keeps the best layout for each that the
+runtime accepts (batch, heads, KV heads, MLP, vocab and d_model divide). The rollout side is the
+AReaL-Hex MILP over replica configurations psi: integer replica counts y_psi and prompt
+assignments x_psi (each prompt is a group of G sequences that stays on one replica) with
+sum x = batch_size and s_psi + time_psi(G x_psi / y_psi) <= Theta, where s_psi is the replica's
+weight-receive pause and
 time_psi(n) = max(a + b*n, c*n) (cost_model.Replica.load_coeffs; c*n is the paper's
 n*len/h_psi at full concurrency, a + b*n covers replicas the staleness gate cannot fill).
 Multiplied by y_psi, both pieces are linear for a fixed Theta, so the makespan is minimised
 by bisection on Theta over feasibility MILPs (scipy.optimize.milp / HiGHS); each of them also
-minimises price, so the rollout side is never bigger than it needs to be.
+minimises price, so the rollout side is never bigger than it needs to be. Every allocation is
+then evaluated at the granularity the runtime runs: whole prompts per replica (split_prompts).
 """
 import dataclasses
 import heapq
@@ -33,6 +37,9 @@ REL_EQ = 1e-9  # objectives closer than this are ties
 # balanced point (the outer search also shrinks the trainer), so a few levels suffice; it is
 # exact on the small clusters the tests compare with exhaustive search.
 COST_LEVELS = 4
+# Cheapest-set-that-keeps-pace attempts per split before the fastest set is taken (whole prompts
+# per replica can make the MILP's set miss the trainer's pace by a prompt's time).
+PACE_RETRIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +112,14 @@ class Option:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
+  """Replicas of one configuration that take the same whole number of prompts each."""
   option: Option
-  count: int  # y_psi
-  assigned: int  # x_psi: sequences of one step
+  count: int  # replicas
+  assigned: int  # sequences of one step over the group: count x prompts per replica x group_size
+
+  def share(self, sequences) -> float:
+    """Each replica's fraction of a step's sequences (the mesh file's `share`)."""
+    return self.assigned / self.count / sequences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +161,11 @@ class Problem:
     }
 
   def train_choice(self, kind, n):
-    """Fastest feasible layout of n chips of `kind`, or None if none fits."""
+    """Fastest layout of n chips of `kind` that fits and that the runtime accepts, or None."""
     dev, best = self.devs[kind], None
-    for layout in cm.train_layouts(self.m, dev, n, self.seq_len):
+    if not dev.runtime_sizes_ok(n):
+      return None
+    for layout in cm.train_layouts(self.m, dev, n, self.seq_len, self.w.sequences):
       time = cm.train_time(self.m, dev, layout, self.w.trained_tokens, self.seq_len)
       if best is None or time.total_s < best.total_s:
         best, best_layout = time, layout
@@ -174,14 +188,15 @@ class Problem:
     ]
 
   def evaluate(self, objective, train: TrainChoice, counts) -> Plan:
-    """Exact figures of one allocation: `counts` is [(Option, y)]; x comes from water-filling."""
+    """Exact figures of one allocation: `counts` is [(Option, y)]; whole prompts per replica come
+    from split_prompts (replicas left without a prompt are not used)."""
     used = [(o, y) for o, y in counts if y > 0]
-    makespan, assigned = water_fill(used, self.w.sequences)
+    makespan, groups = split_prompts(used, self.w.batch_size, self.w.group_size)
     rollout_side = makespan + self.w.reward_s
     # eta >= 1 overlaps the sides (AReaL-Hex: max(C_train, C_rollout + C_reward + C_sync));
     # eta = 0 is synchronous RL, where they alternate.
     step = max(train.step_s, rollout_side) if self.w.eta > 0 else train.step_s + rollout_side
-    groups = tuple(Group(o, y, x) for (o, y), x in zip(used, assigned))
+    groups = tuple(groups)
     idle = dict(self.cluster.counts)
     idle[train.device_type] -= train.layout.devices
     for g in groups:
@@ -212,11 +227,18 @@ class Problem:
           f"one {self.w.prompt_len}+{self.w.output_max}-token KV cache exceed every type's memory even at the "
           f"largest tensor degree (largest: {worst.name}, {worst.hbm_gb:g} GB x {worst.chips_per_host}); "
           f"add devices with more memory, lower workload.output_len.max, or use a smaller model")
-    trainable = [(k, n) for k, n in self.cluster.counts.items()
-                 if next(cm.train_layouts(self.m, self.devs[k], n, self.seq_len), None)]
+    largest = (
+        (k, n) for k, count in self.cluster.counts.items() for n in range(count, 0, -1) if self.train_choice(k, n))
+    trainable = list(itertools.islice(largest, 1))
     if not trainable:
       k, n = max(self.cluster.counts.items(), key=lambda kv: kv[1] * self.devs[kv[0]].hbm_gb)
       need = cm.train_memory(self.m, cm.TrainLayout(1, n, 1), self.seq_len) / gb
+      if need <= cm.MEMORY_HEADROOM * self.devs[k].hbm_gb:
+        raise PlanError(
+            f"no training pool of {k} that the runtime can run: data x fsdp must divide the step's "
+            f"{self.w.sequences} sequences (workload.batch_size x group_size), tensor the model's heads, KV heads, "
+            f"MLP and vocab, and a GPU pool takes whole hosts of {self.devs[k].chips_per_host}; change "
+            f"workload.batch_size or the chip counts")
       raise PlanError(
           f"model '{self.name}' fits no device for training: sharded over all {n} {k} it still needs "
           f"{need:.1f} GB per chip of {cm.MEMORY_HEADROOM * self.devs[k].hbm_gb:.1f} GB usable; add chips or "
@@ -228,30 +250,41 @@ class Problem:
         f"at most); add devices so both pools fit")
 
 
-def water_fill(used, sequences):
-  """Assign `sequences` one at a time to the group that would finish it earliest; exact for
-  min-max of increasing per-group times. Returns (makespan, per-group counts)."""
+def split_prompts(used, prompts, group_size):
+  """Hand `prompts` whole prompts (group_size sequences each, kept on one replica) one at a time
+  to the replica that would finish its load earliest; exact for min-max of increasing per-replica
+  times. Replicas of one option end up with k or k + 1 prompts, so each option becomes at most two
+  Groups; replicas given none are dropped. Returns (makespan, [Group])."""
   if not used:
     return math.inf, []
-  x = [0] * len(used)
-  heap = [(o.seconds(1, y), i) for i, (o, y) in enumerate(used)]
+  replicas = [(i, j) for i, (_, y) in enumerate(used) for j in range(y)]
+  load = [0] * len(replicas)
+  heap = [(used[i][0].seconds(group_size, 1), r) for r, (i, _) in enumerate(replicas)]
   heapq.heapify(heap)
-  for _ in range(sequences):
-    _, i = heapq.heappop(heap)
-    x[i] += 1
-    o, y = used[i]
-    heapq.heappush(heap, (o.seconds(x[i] + 1, y), i))
-  return max(o.seconds(xi, y) for (o, y), xi in zip(used, x)), x
+  for _ in range(prompts):
+    _, r = heapq.heappop(heap)
+    load[r] += 1
+    heapq.heappush(heap, (used[replicas[r][0]][0].seconds((load[r] + 1) * group_size, 1), r))
+  groups, makespan = [], 0.0
+  for i, (o, _) in enumerate(used):
+    per = sorted((load[r] for r, (k, _) in enumerate(replicas) if k == i), reverse=True)
+    for n in sorted(set(per) - {0}, reverse=True):
+      count = per.count(n)
+      groups.append(Group(o, count, count * n * group_size))
+      makespan = max(makespan, o.seconds(n * group_size, 1))
+  return makespan, groups
 
 
 # ---------------------------------------------------------------- the MILP
 
 
 class RolloutMILP:
-  """Replica MILP over options psi with per-type chip limits; variables [y_psi..., x_psi...]."""
+  """Replica MILP over options psi with per-type chip limits; variables [y_psi..., x_psi...], x in
+  prompts of `group_size` sequences."""
 
-  def __init__(self, options, limits, sequences):
-    self.opts, self.B = options, sequences
+  def __init__(self, options, limits, prompts, group_size):
+    self.opts, self.P, self.G = options, prompts, group_size
+    self.B = sequences = prompts * group_size
     k = len(options)
     self.k = k
     types = list(limits)
@@ -259,7 +292,7 @@ class RolloutMILP:
     for i, o in enumerate(options):
       usage[types.index(o.replica.device_type), i] = o.replica.tensor
     self.base = [
-        LinearConstraint(np.r_[np.zeros(k), np.ones(k)][None], sequences, sequences),
+        LinearConstraint(np.r_[np.zeros(k), np.ones(k)][None], prompts, prompts),
         LinearConstraint(usage, 0, [limits[t] for t in types])
     ]
     self.price = np.array([o.price_per_hour + DEVICE_TIEBREAK * o.replica.tensor for o in options])
@@ -276,17 +309,18 @@ class RolloutMILP:
   def min_price(self, theta, price_cap=math.inf):
     """Cheapest y with makespan <= theta (and price <= cap), or None if infeasible."""
     k = self.k
-    # s + max(a + b*x/y, c*x/y) <= theta, times y:  b*x - (theta - s - a)*y <= 0, c*x - (theta - s)*y <= 0.
+    # s + max(a + b*n/y, c*n/y) <= theta for n = G*x sequences, times y:
+    # b*G*x - (theta - s - a)*y <= 0, c*G*x - (theta - s)*y <= 0.
     rows = np.vstack([
-        np.hstack([-np.diag(theta - self.recv - self.a), np.diag(self.b)]),
-        np.hstack([-np.diag(theta - self.recv), np.diag(self.c)])
+        np.hstack([-np.diag(theta - self.recv - self.a), np.diag(self.b * self.G)]),
+        np.hstack([-np.diag(theta - self.recv), np.diag(self.c * self.G)])
     ])
     cons = self.base + [LinearConstraint(rows, -np.inf, 0)]
     if math.isfinite(price_cap):
       cons.append(LinearConstraint(np.r_[self.price, np.zeros(k)][None], -np.inf, price_cap))
     y_max = np.where(theta - self.recv - self.a > 0, self.y_max, 0)
     res = milp(np.r_[self.price, np.zeros(k)], constraints=cons, integrality=np.ones(2 * k),
-               bounds=Bounds(np.zeros(2 * k), np.r_[y_max, np.full(k, self.B)]))
+               bounds=Bounds(np.zeros(2 * k), np.r_[y_max, np.full(k, self.P)]))
     if res.x is None:
       return None
     return [int(round(v)) for v in res.x[:k]]
@@ -339,7 +373,7 @@ def plan(model_cfg, cluster: Cluster, objective="throughput", min_throughput=0.0
     opts = p.options(train, limits)
     if not opts:
       continue
-    milp_ = RolloutMILP(opts, limits, w.sequences)
+    milp_ = RolloutMILP(opts, limits, w.batch_size, w.group_size)
     search = _throughput_search if objective == "throughput" else _cost_search
     for cand in search(p, train, milp_, opts, best, min_throughput):
       if better(cand, best_any, "throughput"):
@@ -365,13 +399,26 @@ def _throughput_search(p, train, milp_, opts, best, _min_throughput):
   if best is not None and bound < best.gen_tokens_per_s * (1 - REL_EQ):
     return  # even a perfect rollout side cannot beat the best split found so far
   if w.eta > 0:
-    # Train-bound if the rollout can keep up with the trainer: then the cheapest such set.
-    y = milp_.min_price(train.step_s - w.reward_s)
-    if y is not None:
-      yield p.evaluate("throughput", train, list(zip(opts, y)))
-      return
+    # Train-bound if the rollout can keep up with the trainer: then the cheapest such set. The MILP
+    # spreads prompts fractionally over a group's replicas; whole prompts per replica can finish
+    # later, so a set that misses the pace is retried against a target lowered by its overshoot.
+    pace = target = train.step_s - w.reward_s
+    for _ in range(PACE_RETRIES):
+      y = milp_.min_price(target)
+      if y is None:
+        break
+      cand = p.evaluate("throughput", train, list(zip(opts, y)))
+      yield cand
+      if cand.rollout_s <= pace * (1 + BISECT_TOL):
+        return
+      target -= cand.rollout_s - pace
   _, y = milp_.min_makespan()
-  yield p.evaluate("throughput", train, list(zip(opts, y)))
+  fastest = p.evaluate("throughput", train, list(zip(opts, y)))
+  yield fastest
+  # Whole prompts per replica can make a cheaper set exactly as fast as the MILP's fastest one.
+  y = milp_.min_price(fastest.rollout_s * (1 + BISECT_TOL))
+  if y is not None:
+    yield p.evaluate("throughput", train, list(zip(opts, y)))
 
 
 def _cost_floor(p, train, opts, theta_from):

@@ -20,6 +20,9 @@ SPEC_FIELDS = {
     "chips_per_host": "chips in one host",
 }
 EFFICIENCY_FIELDS = ("train_mfu", "rollout_eff", "attention_eff", "train_overhead_s", "decode_overhead_s")
+# Optional: the chip counts a slice of this type comes in (TPU topologies); a TPU runtime larger than
+# one host must be one of them. Without the field a TPU type takes powers of two.
+SLICE_FIELD = "slice_chips"
 PLATFORMS = ("tpu", "gpu", "cpu")
 
 
@@ -39,6 +42,7 @@ class Device:
   attention_eff: float
   train_overhead_s: float
   decode_overhead_s: float
+  slice_chips: tuple = ()  # TPU: the slice sizes the type comes in (catalog `slice_chips`)
 
   @property
   def flops(self) -> float:
@@ -61,6 +65,17 @@ class Device:
     if self.platform != "gpu" or group <= self.chips_per_host:
       return self.link_gb_s * 1e9
     return self.host_net_gb_s * 1e9
+
+  def runtime_sizes_ok(self, n: int) -> bool:
+    """Whether n chips of this type can form one JAX runtime (one mesh) as the platform deploys them:
+    a GPU runtime takes whole hosts unless it is smaller than one; a TPU runtime is a slice of a
+    shape the catalog names (or a part of one host); cpu devices are simulated, any count goes."""
+    if self.platform == "gpu":
+      return n < self.chips_per_host or n % self.chips_per_host == 0
+    if self.platform == "tpu":
+      sizes = self.slice_chips or tuple(2**k for k in range(16))
+      return n in sizes or (n <= self.chips_per_host and n & (n - 1) == 0)
+    return True
 
 
 def _read_yaml(path) -> dict:
@@ -102,10 +117,10 @@ def _device(name, fields, path) -> Device:
   for field, meaning in list(SPEC_FIELDS.items()) + [(f, "efficiency factor") for f in EFFICIENCY_FIELDS]:
     if field not in fields:
       raise PlanError(f"catalog entry '{name}' in {path}: missing field '{field}' ({meaning}); add it to the entry")
-  unknown = set(fields) - set(SPEC_FIELDS) - set(EFFICIENCY_FIELDS)
+  unknown = set(fields) - set(SPEC_FIELDS) - set(EFFICIENCY_FIELDS) - {SLICE_FIELD}
   if unknown:
     raise PlanError(f"catalog entry '{name}' in {path}: unknown field(s) {sorted(unknown)}; "
-                    f"known: {sorted(SPEC_FIELDS) + list(EFFICIENCY_FIELDS)}")
+                    f"known: {sorted(SPEC_FIELDS) + list(EFFICIENCY_FIELDS) + [SLICE_FIELD]}")
   if fields["platform"] not in PLATFORMS:
     raise PlanError(f"catalog entry '{name}' in {path}: platform '{fields['platform']}' must be one of {PLATFORMS}")
   values = {"name": name, "platform": fields["platform"]}
@@ -120,4 +135,9 @@ def _device(name, fields, path) -> Device:
       raise PlanError(f"catalog entry '{name}' in {path}: field '{field}' must be "
                       f"{'> 0' if positive else '>= 0'}, got {fields[field]!r}")
   values["chips_per_host"] = int(values["chips_per_host"])
+  sizes = fields.get(SLICE_FIELD) or []
+  if not isinstance(sizes, list) or not all(isinstance(k, int) and k > 0 for k in sizes):
+    raise PlanError(f"catalog entry '{name}' in {path}: field '{SLICE_FIELD}' must be a list of positive chip "
+                    f"counts (the slice sizes the type comes in), got {sizes!r}")
+  values[SLICE_FIELD] = tuple(sorted(sizes))
   return Device(**values)

@@ -11,29 +11,58 @@ from jaxrl_hex.planner.model_files import load_model
 from jaxrl_hex.planner.simulate import SimSpec, draw_timeline, simulate
 
 
+def one_rollout_runtime(p: allocate.Plan, cluster: allocate.Cluster) -> bool:
+  """Whether the rollout side is one mesh {data: replicas, tensor: T} (what the local backend runs):
+  one replica configuration, the same prompts on every replica, inside one host."""
+  if len(p.groups) != 1:
+    return False
+  g = p.groups[0]
+  r = g.option.replica
+  return g.count * r.tensor <= cluster.catalog[r.device_type].chips_per_host
+
+
+def _pool_hosts(kind, devices, cluster) -> dict:
+  """processes / hosts / ray fields of a pool that spans hosts (one runtime over several machines):
+  a GPU pool runs a process per GPU, a TPU slice a process per host."""
+  dev = cluster.catalog[kind]
+  if dev.platform == "cpu" or devices <= dev.chips_per_host:
+    return {}
+  hosts = devices // dev.chips_per_host
+  if dev.platform == "gpu":
+    return {"processes": devices, "hosts": hosts, "ray": {"num_gpus": 1}}
+  return {"processes": hosts, "hosts": hosts, "ray": {"resources": {"TPU": dev.chips_per_host}}}
+
+
 def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, alternatives=None) -> dict:
-  """The runtime's mesh-file format (pools.train / pools.rollout) plus a `plan:` block."""
-  t = p.train
+  """The runtime's mesh-file format (pools.train / pools.rollout) plus a `plan:` block.
+
+  The rollout side is one mesh when one_rollout_runtime holds; otherwise it is `replicas:`, one
+  entry per group of replicas that share a layout and a share of the batch (each replica its own
+  runtime, on the Ray backend). Every group carries `share`: each replica's fraction of a step's
+  sequences, whole prompts (sum over the fleet of count x share = 1).
+  """
+  t, w = p.train, p.workload
   groups = p.groups
   rollout_types = {g.option.replica.device_type for g in groups}
   tensors = {g.option.replica.tensor for g in groups}
   rollout = {
-      "device_type": rollout_types.pop() if len(rollout_types) == 1 else "mixed",
+      "device_type": next(iter(rollout_types)) if len(rollout_types) == 1 else "mixed",
       "devices": sum(p.rollout_devices.values()),
-      # With several replica kinds the mesh gives the replica count and largest TP
-      # degree; `replicas` is the authoritative per-kind layout.
+      # With replica groups the mesh gives the replica count and largest TP degree;
+      # `replicas` is the authoritative per-group layout.
       "mesh": {
           "data": sum(g.count for g in groups),
           "tensor": max(tensors)
       }
   }
-  if len(groups) > 1:
+  if not one_rollout_runtime(p, cluster):
     rollout["replicas"] = [{
         "device_type": g.option.replica.device_type,
         "count": g.count,
         "mesh": {
             "tensor": g.option.replica.tensor
-        }
+        },
+        "share": g.share(w.sequences)
     } for g in groups]
   used = [t.device_type] + [g.option.replica.device_type for g in groups]
   platforms = {cluster.catalog[k].platform for k in used}
@@ -44,11 +73,11 @@ def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, altern
       "train": {
           "device_type": t.device_type,
           "devices": t.layout.devices,
-          "mesh": t.layout.mesh()
+          "mesh": t.layout.mesh(),
+          **_pool_hosts(t.device_type, t.layout.devices, cluster)
       },
       "rollout": rollout
   }
-  w = p.workload
   out["plan"] = {
       "objective": p.objective,
       "model": model_name,
@@ -79,7 +108,8 @@ def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, altern
               "prefill_s": g.option.replica.prefill.total_s,
               "recv_s": g.option.recv_s,
               "tokens_per_s": round(g.option.replica.tokens_per_s(w), 1),
-              "assigned": g.assigned
+              "assigned": g.assigned,
+              "share": g.share(w.sequences)
           } for g in groups]
       }
   }
@@ -111,8 +141,8 @@ def format_plan(p: allocate.Plan, model_name, cluster, alternatives, budget) -> 
   for g in p.groups:
     r = g.option.replica
     lines.append(f"  rollout  {g.count} replica(s) x {r.tensor} {r.device_type} (TP {r.tensor}): {r.slots} slots, "
-                 f"{r.tokens_per_s(w):,.0f} tok/s each when full, {g.assigned} of {w.sequences} sequences/step, "
-                 f"weight receive {g.option.recv_s:.2f} s")
+                 f"{r.tokens_per_s(w):,.0f} tok/s each when full, {g.assigned // g.count // w.group_size} prompts each "
+                 f"({g.assigned} of {w.sequences} sequences/step), weight receive {g.option.recv_s:.2f} s")
   if p.idle:
     lines.append("  idle     " + ", ".join(f"{n} x {k}" for k, n in p.idle.items()))
   bound = "train" if t.step_s >= p.rollout_s + w.reward_s else "rollout"

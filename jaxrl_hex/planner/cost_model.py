@@ -170,15 +170,22 @@ def train_time(m: ModelCost, dev, layout: TrainLayout, tokens: float, seq_len: i
   return TimeParts(roofline, comm, dev.train_mfu, dev.train_overhead_s)
 
 
-def train_layouts(m: ModelCost, dev, n: int, seq_len: int):
-  """Layouts of n chips that fit in memory and shard evenly (meshes.DEFAULT_RULES: fsdp splits
-  d_model; tensor splits heads, KV heads, MLP and vocab, inside one host)."""
+def tensor_shards(m: ModelCost, t: int) -> bool:
+  """Whether tensor degree t shards the model as meshes.DEFAULT_RULES lay it out: tensor splits
+  heads, KV heads, the MLP and the vocabulary."""
+  return not any(dim % t for dim in (m.n_heads, m.n_kv_heads, m.mlp_dim, m.vocab))
+
+
+def train_layouts(m: ModelCost, dev, n: int, seq_len: int, sequences: int | None = None):
+  """Layouts of n chips that fit in memory and that the runtime accepts (meshes.DEFAULT_RULES:
+  fsdp splits d_model; tensor splits heads, KV heads, MLP and vocab, inside one host; the batch
+  splits over data x fsdp, which must divide `sequences`, a step's batch, when given)."""
   usable = MEMORY_HEADROOM * dev.hbm_bytes
   for t in _divisors(n):
-    if t > dev.chips_per_host or any(dim % t for dim in (m.n_heads, m.n_kv_heads, m.mlp_dim, m.vocab)):
+    if t > dev.chips_per_host or not tensor_shards(m, t):
       continue
     for f in _divisors(n // t):
-      if m.d_model % f:
+      if m.d_model % f or (sequences is not None and sequences % (n // t)):
         continue
       layout = TrainLayout(n // (t * f), f, t)
       if train_memory(m, layout, seq_len) <= usable:
@@ -226,7 +233,7 @@ class Replica:
 
 
 def _kv_per_chip(m: ModelCost, tensor: int) -> float:
-  # KV heads shard over tensor; past n_kv_heads they are replicated.
+  # KV heads shard over tensor (a replica's tensor degree divides them).
   return m.kv_bytes_token / min(tensor, m.n_kv_heads)
 
 
@@ -263,7 +270,7 @@ def replica(m: ModelCost, dev, tensor: int, w: Workload):
   Slots are sized for mean-length sequences (paged KV pays for tokens actually held), while
   feasibility demands room for one sequence of prompt + output_max.
   """
-  if m.n_heads % tensor or tensor > dev.chips_per_host:
+  if not tensor_shards(m, tensor) or tensor > dev.chips_per_host:
     return None
   room = kv_capacity(m, dev, tensor)
   kv = _kv_per_chip(m, tensor)

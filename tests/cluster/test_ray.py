@@ -194,3 +194,131 @@ def test_killed_trainer_stops_the_run_and_resume_finishes_it_exactly(warm_workdi
   for b in range(steps):
     assert final[b]["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])
   assert json.load(open(workdir / "summary.json"))["steps"] == steps - first_resumed
+
+
+MIXED_MESH = os.path.join(ROOT, "meshes", "cpu-mixed.yaml")
+
+
+def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers_weights(
+    ray_session, warm_workdir, tmp_path):
+  """Two replica groups of different layouts (tensor 2; two single devices): each replica is its
+  own runtime with its group's layout, batches are routed over all of them, and after a few RL
+  steps every replica holds exactly the trainer's weights."""
+  import ray
+
+  from jaxrl_hex.metrics import Recorder
+  from jaxrl_hex.orchestrator import Orchestrator
+  steps = 3
+  cfg = load_config(
+      **{
+          **SMALL, "init_from": warm_workdir,
+          "mesh_file": MIXED_MESH,
+          "cluster.backend": "ray",
+          "sync.method": "direct",
+          "train.steps": steps,
+          "train.eval_every": 100,
+          "train.eval_size": 16
+      })
+  workdir = str(tmp_path / "mixed")
+  rt = build_runtime(cfg)
+  train = RayTrainSide(rt, workdir, resume=False)
+  rollout = RayRolloutSide(rt, workdir)
+  recorder = Recorder(workdir)
+  try:
+    assert rollout.replicas == 3 and rollout.group_of == [0, 1, 1]
+    described = rollout.describe()
+    assert [g["mesh"] for g in described["groups"]] == [{"tensor": 2}, {"data": 1}]
+    assert [p["mesh"] for p in described["processes"]] == [{"tensor": 2}, {"data": 1}, {"data": 1}]
+    assert [len(p["local_devices"]) for p in described["processes"]] == [2, 1, 1]
+    assert len({p["pid"] for p in described["processes"]}) == 3
+    Orchestrator(rt, train, rollout, recorder).run()
+
+    rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") == "train" and "batch" in r]
+    assert [r["batch"] for r in rows] == list(range(steps))
+    from jaxrl_hex.data.prompts import PromptStream
+    stream = PromptStream(rt.task.train, SMALL["rollout.prompts_per_step"], seed=0)
+    for r in rows:  # each batch holds exactly the prompts the stream handed out for it, once each
+      assert r["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])
+    spans = read_jsonl(os.path.join(workdir, "spans.jsonl"))
+    chunks = [s for s in spans if s["kind"] == "generate_chunk"]
+    assert {s["replica"] for s in chunks} == {0, 1, 2}, "every replica generated prompts"
+    for k in range(steps):
+      assert sum(s["prompts"] for s in chunks if s["batch"] == k) == SMALL["rollout.prompts_per_step"]
+    routes = [s for s in spans if s["kind"] == "route"]
+    assert len(routes) == steps and all(len(s["replicas"]) == 3 for s in routes)
+    assert {s["group"] for s in spans if s["kind"] == "receive"} == {0, 1}
+    assert all(s["bytes"] > 0 for s in spans if s["kind"] == "receive")
+
+    # the newest weights onto every layout: equal to the trainer's, value for value
+    handle = train.publish()
+    sent = ray.get([w.fetch_params.remote() for w in train.workers])[0]
+    assert ray.get([w.receive.remote(handle) for w in rollout.workers]) == [handle.version] * 3
+    for worker in rollout.workers:
+      received = ray.get(worker.fetch_params.remote())
+      for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sent), jax.tree.leaves(received)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+  finally:
+    train.close()
+    rollout.close()
+    recorder.close()
+
+
+def test_killed_replica_of_either_group_loses_and_repeats_no_prompt(warm_workdir, tmp_path):
+  """On the mixed fleet, a replica of each group is killed mid-run: each is replaced with its own
+  layout, its chunk goes back to the router, and every batch holds its prompts exactly once."""
+  workdir = tmp_path / "run"
+  steps = 14
+  cmd = [
+      sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
+      f"--config.mesh_file={MIXED_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
+      f"--config.train.steps={steps}", "--config.train.eval_every=100",
+      *[f"--config.{k}={v}" for k, v in dict(SMALL, **{
+          "train.eval_size": 16
+      }).items()]
+  ]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, JAXRL_HEX_QUIET="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+  metrics = workdir / "metrics.jsonl"
+  killed = {}  # replica -> pid
+  deadline = time.time() + 600
+  while proc.poll() is None and time.time() < deadline:
+    done = [r for r in read_jsonl(metrics) if r.get("phase") == "train"] if metrics.exists() else []
+    for replica, after in ((0, 2), (2, 4)):  # group 0 (tensor 2), then group 1 (a single device)
+      if replica not in killed and len(done) >= after:
+        killed[replica] = json.load(open(workdir / "cluster.json"))["rollout"]["processes"][replica]["pid"]
+        os.kill(killed[replica], signal.SIGKILL)
+    time.sleep(0.05)
+  out = proc.communicate()[0].decode()
+  assert proc.returncode == 0, out[-3000:]
+  assert set(killed) == {0, 2}
+  lost = [s for s in read_jsonl(workdir / "spans.jsonl") if s["kind"] == "lost"]
+  assert {s["replica"] for s in lost} == {0, 2}  # the chunk each held went back to the router
+  assert json.load(open(workdir / "summary.json"))["rollout_restarts"] >= 2
+  # each replaced by a new process with the same layout (cluster.json is rewritten once it is up;
+  # the run may end first, its generation being quicker than a process start)
+  replaced = {s["replica"]: s["process"] for s in read_jsonl(workdir / "spans.jsonl") if s["kind"] == "replaced"}
+  assert set(replaced) == {0, 2}
+  assert replaced[0]["mesh"] == {"tensor": 2} and replaced[2]["mesh"] == {"data": 1}
+  assert all(replaced[r]["pid"] != pid for r, pid in killed.items())
+  cluster = json.load(open(workdir / "cluster.json"))["rollout"]
+  assert [p["replica"] for p in cluster["processes"]] == [0, 1, 2]
+  assert [g["mesh"] for g in cluster["groups"]] == [{"tensor": 2}, {"data": 1}]
+  rows = [r for r in read_jsonl(metrics) if r.get("phase") == "train" and "prompt_ids" in r]
+  assert [r["batch"] for r in rows] == list(range(steps))
+  from jaxrl_hex.data.prompts import PromptStream
+  stream = PromptStream(build_runtime(load_config(**SMALL)).task.train, SMALL["rollout.prompts_per_step"], seed=0)
+  for r in rows:
+    assert r["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])
+
+
+def test_a_replica_group_the_ray_cluster_lacks_is_named_before_any_work(ray_session, tmp_path):
+  from jaxrl_hex.cluster.ray_backend import check_cluster
+  from jaxrl_hex.meshes import load_mesh_file
+  mesh = tmp_path / "gpu-group.yaml"
+  mesh.write_text(open(MIXED_MESH).read().replace("{device_type: cpu, count: 2", "{device_type: gpu, count: 2"))
+  with pytest.raises(UserError) as e:
+    check_cluster(load_mesh_file(str(mesh)))
+  message = str(e.value)
+  assert "\n" not in message
+  assert "pools.rollout.replicas[1] (gpu x2) needs 2 GPUs but the Ray cluster has no GPU" in message
+  check_cluster(load_mesh_file(MIXED_MESH))  # the cpu groups fit

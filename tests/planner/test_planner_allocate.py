@@ -68,13 +68,19 @@ def test_cost_objective_with_throughput_floor_equals_exhaustive():
     al.plan(cfg, c, "cost", 10 * fastest.gen_tokens_per_s)
 
 
-def test_water_fill_is_min_makespan():
-  # Saturated groups (a = b = 0): 10-token sequences at 100 and 50 tokens/s per replica.
+def test_whole_prompts_per_replica_are_min_makespan():
+  # Saturated replicas (a = b = 0): 10-token sequences at 100 and 50 tokens/s, prompts of 2 sequences.
   fast = al.Option(None, (0.0, 0.0, 10 / 100), 0.5, 1.0)
   slow = al.Option(None, (0.0, 0.0, 10 / 50), 0.0, 1.0)
-  makespan, x = al.water_fill([(fast, 2), (slow, 1)], 30)
-  # group rates 20 and 5 seq/s: 22/8 -> max(0.5 + 22/20, 8/5) = 1.6
-  assert x == [22, 8] and makespan == pytest.approx(1.6)
+  makespan, got = al.split_prompts([(fast, 2), (slow, 1)], 15, 2)
+  # fast: 0.5 + 0.2 s per prompt, slow: 0.4 s per prompt; 6 + 5 + 4 prompts -> max(1.7, 1.5, 1.6) = 1.7,
+  # and no split of 15 whole prompts finishes by 1.6 (at most 5 + 5 + 4).
+  assert makespan == pytest.approx(1.7)
+  assert [(g.option is fast, g.count, g.assigned) for g in got] == [(True, 1, 12), (True, 1, 10), (False, 1, 8)]
+  assert [g.share(30) for g in got] == [0.4, 1 / 3, 8 / 30]
+  # A replica left without a prompt is not part of the plan.
+  makespan, got = al.split_prompts([(fast, 2), (slow, 3)], 1, 2)
+  assert makespan == pytest.approx(0.4) and [(g.option is slow, g.count, g.assigned) for g in got] == [(True, 1, 2)]
 
 
 def test_unfilled_replicas_pay_for_their_weight_reads():
@@ -85,23 +91,35 @@ def test_unfilled_replicas_pay_for_their_weight_reads():
 
 @pytest.mark.parametrize("model", ["qwen2_7b", "qwen2_14b"])
 def test_areal_hex_setting_mix_beats_equal_budget_homogeneous(model):
+  """At 48 prompts x 8 (384 sequences) the 24 H800 train as data 3 x fsdp 8 and the mix wins as in the paper."""
   cfg = load_model(model)[1]
+  clusters = {name: al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml") for name in ("hex", "h800", "h20")}
   plans = {
-      name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml"), name=model)
-      for name in ("hex", "h800", "h20")
+      name: al.plan(cfg, dataclasses.replace(c, workload=dataclasses.replace(c.workload, batch_size=48)), name=model)
+      for name, c in clusters.items()
   }
   mix = plans["hex"]
-  assert mix.train.device_type == "H800" and mix.train.layout.devices == 24
+  assert mix.train.device_type == "H800" and mix.train.layout == cm.TrainLayout(3, 8, 1)
   assert {g.option.replica.device_type for g in mix.groups} == {"H20"}
   for name in ("h800", "h20"):
     assert mix.gen_tokens_per_s > 1.25 * plans[name].gen_tokens_per_s
     assert mix.usd_per_mtok < plans[name].usd_per_mtok
-  budgets = [
-      sum(CAT[k].price_per_hour * n
-          for k, n in al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml").counts.items())
-      for name in ("hex", "h800", "h20")
-  ]
+  budgets = [sum(CAT[k].price_per_hour * n for k, n in c.counts.items()) for c in clusters.values()]
   assert max(budgets) / min(budgets) < 1.06  # equal budget, as in the paper
+
+
+def test_areal_hex_at_512_sequences_trains_on_two_whole_hosts():
+  """64 x 8 = 512 sequences: data x fsdp must be a power of two and tensor must divide the 4 KV heads, so no
+  layout of 24 H800 runs; the planner trains on 16 and serves from the H20s, still cheaper per token."""
+  cfg = load_model("qwen2_7b")[1]
+  plans = {name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml")) for name in ("hex", "h800")}
+  mix = plans["hex"]
+  assert mix.train.layout == cm.TrainLayout(2, 8, 1) and mix.idle == {"H800": 8, "H20": 8}
+  assert [(g.option.replica.device_type, g.option.replica.tensor, g.count, g.assigned) for g in mix.groups] == [
+      ("H20", 2, 8, 512)  # 8 prompts (64 sequences) on each replica
+  ]
+  assert mix.gen_tokens_per_s >= plans["h800"].gen_tokens_per_s * (1 - 1e-9)
+  assert mix.usd_per_mtok < 0.8 * plans["h800"].usd_per_mtok
 
 
 def test_tpu_gpu_and_tpu_generation_examples():

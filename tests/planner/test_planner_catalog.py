@@ -49,3 +49,6 @@ def test_bad_values_and_unknown_price_type(tmp_path):
     load_catalog(extra)
   with pytest.raises(PlanError, match="unknown device type 'H900'"):
     load_catalog(prices={"H900": 1.0})
+  extra.write_text("devices:\n  v5e: {slice_chips: [4, x]}\n")
+  with pytest.raises(PlanError, match="'v5e'.*'slice_chips' must be a list of positive chip counts"):
+    load_catalog(extra)

@@ -44,6 +44,22 @@ def test_memory_feasibility():
   assert list(cm.train_layouts(m14, CAT["H100"], 8, 17408))
 
 
+def test_layouts_are_the_ones_the_runtime_accepts():
+  m7 = cm.ModelCost.from_config(load_model("qwen2_7b")[1])
+  m15 = cm.ModelCost.from_config(load_model("qwen2_1_5b")[1])
+  # 24 chips: data x fsdp must divide the batch and tensor the 4 KV heads: 512 sequences leave nothing.
+  assert not list(cm.train_layouts(m7, CAT["H800"], 24, 5120, 512))
+  assert cm.TrainLayout(3, 8, 1) in list(cm.train_layouts(m7, CAT["H800"], 24, 5120, 384))
+  assert all(512 % (t.data * t.fsdp) == 0 for t in cm.train_layouts(m7, CAT["H800"], 16, 5120, 512))
+  # Rollout replicas: a tensor degree that splits the 12 heads but not the 2 KV heads of 1.5B is out.
+  assert cm.replica(m15, CAT["H20"], 2, W) is not None and cm.replica(m15, CAT["H20"], 4, W) is None
+  # One runtime per pool: whole GPU hosts unless smaller than one; TPU slices of the catalog's sizes.
+  assert [n for n in (4, 8, 12, 16, 21, 24) if CAT["H800"].runtime_sizes_ok(n)] == [4, 8, 16, 24]
+  assert [n for n in (2, 4, 12, 16, 24, 32) if CAT["v5e"].runtime_sizes_ok(n)] == [2, 4, 16, 32]
+  assert CAT["v5p"].slice_chips[:3] == (4, 8, 16) and not CAT["v5p"].runtime_sizes_ok(12)
+  assert CAT["cpu"].runtime_sizes_ok(5)
+
+
 def test_sync_uses_link_inside_a_fabric_and_host_network_across():
   tpu, gpu = CAT["v5p"], CAT["H100"]
   assert cm.sync_bw(tpu, tpu, True) == tpu.link_gb_s * 1e9

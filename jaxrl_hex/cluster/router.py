@@ -1,0 +1,252 @@
+"""Request-level routing of prompt groups over rollout replicas of differing speed.
+
+A batch is a list of prompt groups (one prompt and its G samples: a group never splits, so its
+prompt is prefilled once on one replica). Replicas pull: an idle replica asks for its next chunk
+and gets unstarted groups of the oldest batch that has any, as many as its share of the fleet's
+throughput allots it of that batch (in `pieces` chunks, so part of every allotment stays
+stealable). Once its allotment is taken it takes unstarted groups wherever they are (work
+stealing), so a batch is done when the fleet is, not when its slowest member is.
+
+Shares start from the planner's per-replica `share` (or equal) and follow each replica's
+measured tokens/s (an exponential moving average over its chunks). A lost replica's chunk goes
+back to the front of its batch's queue, so every group is generated exactly once.
+
+Pure Python and thread-safe: the Ray rollout side runs one thread per replica around it.
+"""
+import collections
+import dataclasses
+import math
+import threading
+import time
+import typing
+
+
+class RouterClosed(Exception):
+  """The router was closed while a caller waited on it."""
+
+
+@dataclasses.dataclass
+class Chunk:
+  """Groups of one batch handed to one replica."""
+  batch: typing.Any  # the batch's key (the orchestrator's batch index)
+  positions: list  # each group's position in its batch (record order)
+  groups: list  # the groups themselves (records), in `positions` order
+  replica: int
+  context: typing.Any  # what the batch was added with (group size, seed, weights handle)
+  started: float = 0.0
+
+
+@dataclasses.dataclass
+class _Batch:
+  key: typing.Any
+  groups: list
+  context: typing.Any
+  allot: list  # per replica: groups of this batch its share gives it (float)
+  taken: list  # per replica: groups of this batch it has taken
+  added: float
+  unstarted: collections.deque = dataclasses.field(default_factory=collections.deque)  # positions
+  results: list = dataclasses.field(default_factory=list)  # (positions, result)
+  done: int = 0  # groups finished
+  finished: float | None = None
+  error: BaseException | None = None
+  per_replica: dict = dataclasses.field(default_factory=dict)  # replica -> {prompts, tokens, busy_s}
+
+
+class Router:
+  """Owns the prompt groups of every batch in flight, in batch order.
+
+  add_batch(key, groups, context)         a batch's groups, queued unstarted
+  next_chunk(replica, timeout) -> Chunk   blocks until work (None: timeout or closed)
+  finish(chunk, result, tokens, ...)      the chunk's groups are done; updates the replica's speed
+  give_back(chunk)                        a lost replica's chunk, back to the front of the queue
+  fail(key, error)                        the batch's waiter raises `error`
+  wait(key) -> (results, stats)           [(positions, result)] once every group of the batch is done
+  """
+
+  def __init__(self, replicas: int, shares=None, pieces: int = 1, alpha: float = 0.5, clock=time.monotonic):
+    if replicas < 1:
+      raise ValueError("a router needs at least one replica")
+    if shares is not None and (len(shares) != replicas or any(s is None or s <= 0 for s in shares)):
+      shares = None  # incomplete planner shares: start equal
+    total = sum(shares) if shares else replicas
+    self.prior = [s / total for s in shares] if shares else [1.0 / replicas] * replicas
+    self.replicas, self.pieces, self.alpha, self.clock = replicas, max(int(pieces), 1), alpha, clock
+    self.rate = [None] * replicas  # EMA of measured tokens/s
+    self.stats = [{"prompts": 0, "tokens": 0, "chunks": 0, "busy_s": 0.0, "idle_s": 0.0} for _ in range(replicas)]
+    self._batches = collections.OrderedDict()  # key -> _Batch, in the order they were added
+    self._busy = [[] for _ in range(replicas)]  # per replica: (start, end or None) of its chunks
+    self._waiting = {}  # replica -> when it started waiting (or was last credited idle time)
+    self._active_since = None  # since when some batch is unfinished (idle time counts only then)
+    self._cond = threading.Condition()
+    self._closed = None  # None, or the exception waiters raise
+
+  # ---- shares -----------------------------------------------------------------------------------
+  def shares(self) -> list:
+    """Each replica's fraction of the fleet's throughput: measured where measured, the prior
+    scaled to the measured ones' units where not."""
+    measured = [i for i, r in enumerate(self.rate) if r is not None]
+    if not measured:
+      return list(self.prior)
+    scale = sum(self.rate[i] for i in measured) / sum(self.prior[i] for i in measured)
+    speed = [r if r is not None else p * scale for r, p in zip(self.rate, self.prior)]
+    total = sum(speed)
+    return [s / total for s in speed] if total > 0 else list(self.prior)
+
+  # ---- batches ----------------------------------------------------------------------------------
+  def add_batch(self, key, groups: list, context=None):
+    with self._cond:
+      if key in self._batches:
+        raise ValueError(f"router: batch {key!r} is already in flight")
+      n, now = len(groups), self.clock()
+      b = _Batch(key, list(groups), context, [s * n for s in self.shares()], [0] * self.replicas, now)
+      b.unstarted.extend(range(n))
+      self._batches[key] = b
+      if self._active_since is None:
+        self._active_since = now
+      if n == 0:
+        self._complete(b, now)
+      self._cond.notify_all()
+
+  def _chunk_size(self, b: _Batch, replica: int) -> int:
+    """Groups `replica` takes of batch `b` now: a piece of its allotment, or, once that is
+    taken, a piece-sized steal of what is still unstarted."""
+    piece = max(1, math.ceil(b.allot[replica] / self.pieces - 1e-9))
+    own = round(b.allot[replica] - b.taken[replica])
+    size = min(piece, own) if own >= 1 else piece
+    return max(1, min(size, len(b.unstarted)))
+
+  def next_chunk(self, replica: int, timeout: float | None = None) -> Chunk | None:
+    deadline = None if timeout is None else self.clock() + timeout
+    with self._cond:
+      self._waiting[replica] = self.clock()
+      try:
+        while self._closed is None:
+          b = next((b for b in self._batches.values() if b.unstarted and b.error is None), None)
+          if b is not None:
+            now = self.clock()
+            self._credit_idle(replica, now)
+            n = self._chunk_size(b, replica)
+            positions = [b.unstarted.popleft() for _ in range(n)]
+            b.taken[replica] += n
+            self._busy[replica].append([now, None])
+            return Chunk(b.key, positions, [b.groups[p] for p in positions], replica, b.context, now)
+          left = None if deadline is None else deadline - self.clock()
+          if left is not None and left <= 0:
+            break
+          self._cond.wait(left)
+        self._credit_idle(replica, self.clock())
+        return None
+      finally:
+        self._waiting.pop(replica, None)
+
+  def _credit_idle(self, replica, now):
+    """Waiting counts as idle only while some batch is unfinished (else the gate starves the
+    fleet, not the routing)."""
+    since = self._waiting.get(replica)
+    if since is not None and self._active_since is not None:
+      self.stats[replica]["idle_s"] += max(0.0, now - max(since, self._active_since))
+    self._waiting[replica] = now
+
+  def _end_busy(self, replica, now):
+    for span in self._busy[replica]:
+      if span[1] is None:
+        span[1] = now
+        return
+
+  def finish(self, chunk: Chunk, result, tokens: int, overhead_s: float = 0.0, measure: bool = True):
+    """The chunk's groups are done (`result`, `tokens` generated): its replica's speed is updated
+    from the chunk's seconds less `overhead_s` (compiles, weight receives: not generation), unless
+    not `measure` (a fresh replica's first chunk: warm-up, no measure of its speed)."""
+    with self._cond:
+      now = self.clock()
+      r, seconds = chunk.replica, max(now - chunk.started, 1e-9)
+      self._end_busy(r, now)
+      if measure:
+        rate = tokens / max(seconds - overhead_s, 1e-3 * seconds, 1e-9)
+        self.rate[r] = rate if self.rate[r] is None else self.alpha * rate + (1 - self.alpha) * self.rate[r]
+      s = self.stats[r]
+      s["prompts"] += len(chunk.positions)
+      s["tokens"] += int(tokens)
+      s["chunks"] += 1
+      s["busy_s"] += seconds
+      b = self._batches.get(chunk.batch)
+      if b is None or b.error is not None:
+        return
+      b.results.append((list(chunk.positions), result))
+      b.done += len(chunk.positions)
+      mine = b.per_replica.setdefault(r, {"prompts": 0, "tokens": 0, "busy_s": 0.0})
+      mine["prompts"] += len(chunk.positions)
+      mine["tokens"] += int(tokens)
+      mine["busy_s"] += seconds
+      if b.done == len(b.groups):
+        self._complete(b, now)
+      self._cond.notify_all()
+
+  def give_back(self, chunk: Chunk):
+    """A lost replica's unfinished chunk: its groups go back to the front of their batch's queue,
+    in order, and count again toward that replica's allotment (its replacement takes them)."""
+    with self._cond:
+      self._end_busy(chunk.replica, self.clock())
+      b = self._batches.get(chunk.batch)
+      if b is not None and b.error is None:
+        b.unstarted.extendleft(reversed(chunk.positions))
+        b.taken[chunk.replica] -= len(chunk.positions)
+      self._cond.notify_all()
+
+  def fail(self, key, error: BaseException):
+    with self._cond:
+      b = self._batches.get(key)
+      if b is not None and b.error is None:
+        b.error = error
+        b.unstarted.clear()
+        self._complete(b, self.clock())
+      self._cond.notify_all()
+
+  def _complete(self, b: _Batch, now):
+    b.finished = now
+    if all(x.finished is not None for x in self._batches.values()):  # the fleet has nothing in flight
+      for r in list(self._waiting):
+        self._credit_idle(r, now)
+      self._active_since = None
+
+  def wait(self, key, timeout: float | None = None):
+    """-> ([(positions, result)] in the order they finished, the batch's stats) once every group
+    is done; the batch leaves the router. Raises the batch's error, or RouterClosed."""
+    with self._cond:
+      b = self._batches[key]
+      if not self._cond.wait_for(lambda: b.finished is not None or self._closed is not None, timeout):
+        raise TimeoutError(f"router: batch {key!r} not done in {timeout} s")
+      del self._batches[key]
+      if b.error is not None:
+        raise b.error
+      if b.finished is None:
+        raise self._closed
+      return b.results, self._batch_stats(b)
+
+  def _batch_stats(self, b: _Batch) -> dict:
+    """Per replica over the batch's wall time: its prompts, tokens and busy seconds on this batch,
+    and its idle seconds (the batch running, the replica working on no batch at all)."""
+    window = b.finished - b.added
+    replicas = []
+    for r in range(self.replicas):
+      busy_any = sum(
+          max(0.0,
+              min(b.finished, end if end is not None else b.finished) - max(b.added, start))
+          for start, end in self._busy[r])
+      mine = b.per_replica.get(r, {"prompts": 0, "tokens": 0, "busy_s": 0.0})
+      replicas.append(dict(mine, replica=r, idle_s=max(0.0, window - busy_any)))
+    oldest = min((x.added for x in self._batches.values()), default=b.finished)
+    for r in range(self.replicas):  # forget chunks that ended before every batch still in flight
+      self._busy[r] = [s for s in self._busy[r] if s[1] is None or s[1] >= oldest]
+    return {"seconds": window, "replicas": replicas}
+
+  def close(self, error: BaseException | None = None):
+    """Wakes every caller: next_chunk returns None, waiters raise `error` (or RouterClosed)."""
+    with self._cond:
+      if self._closed is None:
+        self._closed = error if error is not None else RouterClosed("the rollout router was closed")
+      for b in self._batches.values():
+        if b.finished is None:
+          b.error = self._closed
+          b.finished = self.clock()
+      self._cond.notify_all()

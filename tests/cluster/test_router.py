@@ -1,0 +1,173 @@
+"""The rollout router on a simulated fleet (a virtual clock, no Ray, no JAX)."""
+import heapq
+import threading
+
+import pytest
+
+from jaxrl_hex.cluster.router import Router, RouterClosed
+
+TOKENS = 10  # tokens a prompt group generates in the simulation
+
+
+class Fleet:
+  """Replicas generating at `speeds` tokens/s on a virtual clock; batches of `size` groups are
+  admitted `in_flight` at a time, in order, as the orchestrator's gate does."""
+
+  def __init__(self, speeds, shares=None, pieces=1, lose=()):
+    self.now = 0.0
+    self.speeds = list(speeds)
+    self.router = Router(len(speeds), shares, pieces=pieces, clock=lambda: self.now)
+    self.lose = set(lose)  # (replica, n-th chunk it takes): that chunk's replica is lost mid-way
+    self.chunks = []  # every chunk handed out, in order
+    self.finished = []  # batch keys in the order they completed
+    self.results = {}
+    self.stats = {}
+
+  def run(self, batches, in_flight=2):
+    pending, events, idle, taken = list(enumerate(batches)), [], set(range(len(self.speeds))), {}
+    admitted = []
+    while pending or admitted:
+      while pending and len(admitted) < in_flight:
+        k, groups = pending.pop(0)
+        self.router.add_batch(k, groups, context=("ctx", k))
+        admitted.append(k)
+      for r in sorted(idle):
+        chunk = self.router.next_chunk(r, timeout=0)
+        if chunk is None:
+          continue
+        idle.discard(r)
+        self.chunks.append(chunk)
+        n = taken[r] = taken.get(r, 0) + 1
+        seconds = len(chunk.groups) * TOKENS / self.speeds[r]
+        lost = (r, n) in self.lose
+        heapq.heappush(events, (self.now + (seconds / 2 if lost else seconds), len(self.chunks), chunk, lost))
+      self.now, _, chunk, lost = heapq.heappop(events)
+      idle.add(chunk.replica)
+      if lost:
+        self.router.give_back(chunk)
+      else:
+        self.router.finish(chunk, [g for g in chunk.groups], len(chunk.groups) * TOKENS)
+      for k in list(admitted):
+        try:
+          self.results[k], self.stats[k] = self.router.wait(k, timeout=0)
+        except TimeoutError:
+          continue
+        admitted.remove(k)
+        self.finished.append(k)
+    return self
+
+
+def _batches(n_batches, size):
+  return [[f"b{k}p{i}" for i in range(size)] for k in range(n_batches)]
+
+
+def _check_exactly_once(fleet, batches):
+  for k, groups in enumerate(batches):
+    positions = [p for ps, _ in fleet.results[k] for p in ps]
+    assert sorted(positions) == list(range(len(groups))), f"batch {k}: {sorted(positions)}"
+    for ps, result in fleet.results[k]:  # each chunk's result is its groups, whole and in place
+      assert result == [groups[p] for p in ps]
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+def test_every_group_once_and_whole_under_work_stealing(pieces):
+  batches = _batches(6, 12)
+  fleet = Fleet([1.0, 4.0, 4.0], pieces=pieces).run(batches)  # equal priors, very unequal speeds
+  _check_exactly_once(fleet, batches)
+  assert all(len(c.groups) == len(c.positions) >= 1 for c in fleet.chunks)
+  # the fast replicas took more than their equal allotment of some batch: they stole from the slow one
+  per_batch = {}
+  for c in fleet.chunks:
+    per_batch.setdefault((c.batch, c.replica), 0)
+    per_batch[c.batch, c.replica] += len(c.groups)
+  assert max(per_batch[k, 1] for k in range(6)) > 12 / 3
+
+
+def test_lost_replica_chunk_goes_back_to_the_front_and_nothing_is_lost_or_repeated():
+  batches = _batches(4, 9)
+  fleet = Fleet([2.0, 2.0, 1.0], lose={(0, 1), (2, 2)}).run(batches)
+  _check_exactly_once(fleet, batches)
+  first = fleet.chunks[0]
+  assert first.replica == 0 and first.batch == 0
+  # the lost chunk's groups were handed out again, before any group after them
+  again = next(c for c in fleet.chunks[3:] if set(c.positions) & set(first.positions) and c.batch == 0)
+  assert again.positions[0] == first.positions[0]
+  assert sum(fleet.router.stats[r]["prompts"] for r in range(3)) == 4 * 9
+
+
+def test_shares_follow_measured_speed_from_the_planner_prior():
+  fleet = Fleet([1.0, 2.0, 3.0], shares=[0.5, 0.25, 0.25])
+  assert fleet.router.shares() == pytest.approx([0.5, 0.25, 0.25])
+  fleet.run(_batches(8, 12), in_flight=1)
+  assert fleet.router.shares() == pytest.approx([1 / 6, 2 / 6, 3 / 6], rel=1e-6)
+  # once the shares are right the replicas finish a batch together: little idle time per batch
+  last = fleet.stats[7]
+  assert [r["prompts"] for r in last["replicas"]] == [2, 4, 6]
+  assert all(r["idle_s"] <= 0.1 * last["seconds"] + 1e-9 for r in last["replicas"])
+
+
+def test_unmeasured_replicas_keep_their_prior_in_measured_units():
+  router = Router(2, shares=[3, 1])
+  router.add_batch(0, ["a", "b", "c", "d"])
+  chunk = router.next_chunk(1, timeout=0)
+  assert len(chunk.groups) == 1  # a quarter of the batch
+  router.finish(chunk, None, tokens=100)
+  assert router.shares() == pytest.approx([0.75, 0.25])  # replica 0 unmeasured: prior scaled to replica 1's rate
+
+
+def test_batches_start_and_complete_in_order():
+  batches = _batches(5, 6)
+  fleet = Fleet([3.0, 3.0, 3.0]).run(batches, in_flight=3)
+  _check_exactly_once(fleet, batches)
+  assert fleet.finished == list(range(5))
+  started = [c.batch for c in fleet.chunks]
+  assert started == sorted(started)  # no group of batch k+1 starts while batch k has unstarted ones
+
+
+def test_idle_time_is_recorded_for_a_fast_replica_waiting_on_a_slow_one():
+  router_fleet = Fleet([1.0, 10.0]).run(_batches(1, 2), in_flight=1)  # one group each: the fast one waits
+  fast, slow = router_fleet.stats[0]["replicas"][1], router_fleet.stats[0]["replicas"][0]
+  assert fast["prompts"] == slow["prompts"] == 1
+  assert fast["idle_s"] == pytest.approx(10 - 1)
+  assert slow["idle_s"] == pytest.approx(0)
+  assert router_fleet.router.stats[1]["busy_s"] == pytest.approx(1)
+
+
+def test_threads_fail_and_close_wake_every_waiter():
+  router = Router(2)
+  router.add_batch("a", [1, 2])
+  router.add_batch("b", [3])
+  got = []
+
+  def replica(r):
+    while True:
+      chunk = router.next_chunk(r)
+      if chunk is None:
+        return
+      got.append(chunk)
+      if chunk.batch == "a":
+        router.fail("a", ValueError("reward crashed"))
+
+  threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+  for t in threads:
+    t.start()
+  with pytest.raises(ValueError, match="reward crashed"):
+    router.wait("a", timeout=10)
+  router.close()
+  with pytest.raises(RouterClosed):
+    router.wait("b", timeout=10)
+  for t in threads:
+    t.join(timeout=10)
+    assert not t.is_alive()
+
+
+def test_a_warm_up_chunk_and_overheads_are_no_measure_of_speed():
+  clock = [0.0]
+  router = Router(2, clock=lambda: clock[0])
+  router.add_batch(0, list(range(4)))
+  a, b = router.next_chunk(0, timeout=0), router.next_chunk(1, timeout=0)
+  clock[0] = 10.0  # both compiled for 9 s
+  router.finish(a, None, tokens=100, measure=False)
+  router.finish(b, None, tokens=100, overhead_s=9.0)
+  assert router.rate == [None, pytest.approx(100.0)]
+  assert router.stats[0]["busy_s"] == router.stats[1]["busy_s"] == 10.0

@@ -1,0 +1,214 @@
+"""The plan is the run: every mesh file the planner writes passes the runtime's checks, the plan's workload
+becomes the run's batch, and bad replica groups fail in one line before any work starts."""
+import argparse
+import functools
+import os
+import pathlib
+
+import pytest
+import yaml
+from support import ROOT, load_config
+
+from jaxrl_hex import cluster, commands, meshes, runtime
+from jaxrl_hex.errors import ConfigError, UserError
+from jaxrl_hex.meshes import MeshError
+from jaxrl_hex.models.policy import Policy
+from jaxrl_hex.planner import allocate
+from jaxrl_hex.planner.command import plan_to_mesh
+from jaxrl_hex.planner.model_files import load_model
+
+MESHES = pathlib.Path(ROOT) / "meshes"
+CLUSTERS = sorted(p.stem.removeprefix("cluster-") for p in MESHES.glob("cluster-*.yaml"))
+MODELS = ("qwen2_1_5b", "qwen2_7b", "qwen2_14b")
+# Every shipped cluster with the models that fit it (a 1.5B model on the cpu-8 cluster does not).
+PLANS = [(c, m) for c in CLUSTERS for m in (("tiny",) if c.startswith("cpu") else MODELS)]
+
+
+@functools.cache
+def _policy(model):
+  return Policy.build(load_model(model)[1])
+
+
+def _run_config(mesh_file, model):
+  """The default run config with the plan's model and workload, on the backend the file needs."""
+  cfg = load_config()
+  cfg.mesh_file = mesh_file.path
+  cfg.model = load_model(model)[1]
+  cfg.rollout.prompts_per_step = mesh_file.workload["batch_size"]
+  cfg.rollout.group_size = mesh_file.workload["group_size"]
+  if any(p.groups for p in mesh_file.pools.values()) or mesh_file.platform == "mixed":
+    cfg.cluster.backend, cfg.sync.method = "ray", "orbax"
+  return cfg
+
+
+@pytest.mark.parametrize("name,model", PLANS)
+def test_every_plan_the_planner_writes_passes_the_runtime_checks(name, model, tmp_path):
+  plan_cluster = allocate.load_cluster(MESHES / f"cluster-{name}.yaml")
+  p = allocate.plan(load_model(model)[1], plan_cluster, name=model)
+  path = tmp_path / f"plan-{name}-{model}.yaml"
+  path.write_text(yaml.safe_dump(plan_to_mesh(p, model, plan_cluster), sort_keys=False))
+
+  mesh_file = meshes.load_mesh_file(str(path))
+  w = p.workload
+  assert mesh_file.workload == {"batch_size": w.batch_size, "group_size": w.group_size}
+  cfg = _run_config(mesh_file, model)
+  runtime.validate(cfg, mesh_file)
+  cluster.check_config(cfg, mesh_file)
+  policy = _policy(model)
+  train, rollout = mesh_file.pools["train"], mesh_file.pools["rollout"]
+  replicas = rollout.replica_specs()
+  for spec in [train, *replicas]:
+    spec.check_shardable(policy.logical_axes(), policy.shapes())
+  assert w.sequences % train.batch_ways == 0 and cfg.sft.batch_size % train.batch_ways == 0
+  catalog = plan_cluster.catalog[train.device_type]
+  assert catalog.runtime_sizes_ok(len(train.device_ids))
+  if rollout.groups:  # whole prompts per replica, covering the batch once
+    prompts = [round(g.share * w.batch_size) for g in rollout.groups for _ in range(g.count)]
+    assert sum(prompts) == w.batch_size and min(prompts) >= 1
+    assert sum(g.count * g.share for g in rollout.groups) == pytest.approx(1.0)
+    assert len(replicas) == sum(g.count for g in rollout.groups)
+  else:  # one runtime in one host: what the local backend runs
+    assert w.sequences % rollout.batch_ways == 0
+    assert len(rollout.device_ids) <= plan_cluster.catalog[rollout.device_type].chips_per_host
+
+
+def test_the_areal_hex_plan_no_longer_stops_on_batch_divisibility(tmp_path):
+  """The issue's case: 21 H800 as data 7 x fsdp 3 divided neither 64 x 8 nor the default batch."""
+  plan_cluster = allocate.load_cluster(MESHES / "cluster-areal-hex.yaml")
+  p = allocate.plan(load_model("qwen2_1_5b")[1], plan_cluster, name="qwen2_1_5b")
+  assert p.train.layout.mesh() == {"data": 2, "fsdp": 8, "tensor": 1}  # two whole 8-GPU hosts
+  mesh = plan_to_mesh(p, "qwen2_1_5b", plan_cluster)
+  assert mesh["pools"]["train"]["processes"] == 16 and mesh["pools"]["train"]["hosts"] == 2
+  assert [(g["count"], g["mesh"], g["share"]) for g in mesh["pools"]["rollout"]["replicas"]] == [(9, {
+      "tensor": 2
+  }, 6 / 64), (2, {
+      "tensor": 2
+  }, 5 / 64)]
+
+
+PLAN_FILE = """platform: cpu
+num_devices: 8
+pools:
+  train: {devices: 4, mesh: {fsdp: 4}}
+  rollout: {devices: 4, mesh: {data: 4}}
+plan: {model: tiny, workload: {batch_size: 8, group_size: 2, prompt_len: 8}}
+"""
+
+
+def _main_config(tmp_path, monkeypatch, argv, gin=()):
+  """The config `jaxrl-hex train` would run with, without running it."""
+  seen = {}
+  monkeypatch.setattr(commands, "train", lambda cfg, workdir, resume: seen.setdefault("cfg", cfg) and {})
+  args = argparse.Namespace(config=os.path.join(ROOT, "configs/arith_grpo.py"), workdir=str(tmp_path / "run"),
+                            resume=False, gin_file=[], gin_bindings=list(gin))
+  commands._main("train", args, argv)
+  return seen["cfg"]
+
+
+def test_the_plans_workload_becomes_the_runs_batch_unless_the_user_sets_it(tmp_path, monkeypatch):
+  plan = tmp_path / "plan.yaml"
+  plan.write_text(PLAN_FILE)
+  mesh = [f"--config.mesh_file={plan}"]
+  cfg = _main_config(tmp_path, monkeypatch, mesh)
+  assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (8, 2)
+  cfg = _main_config(tmp_path, monkeypatch, mesh + ["--config.rollout.group_size=4"])
+  assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (8, 4)
+  cfg = _main_config(tmp_path, monkeypatch, mesh, gin=["rollout.prompts_per_step = 16"])
+  assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (16, 2)
+  cfg = _main_config(tmp_path, monkeypatch, [], gin=[f"config.mesh_file = '{plan}'"])  # the mesh file from gin
+  assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (8, 2)
+  # A hand-written mesh file has no workload: the config's batch stays.
+  cfg = _main_config(tmp_path, monkeypatch, [f"--config.mesh_file={MESHES / 'cpu-8.yaml'}"])
+  assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (32, 8)
+
+  cfg = _main_config(tmp_path, monkeypatch, mesh + ["--config.rollout.prompts_per_step=3"])
+  with pytest.raises(ConfigError) as e:
+    runtime.validate(cfg, meshes.load_mesh_file(str(plan)))
+  assert str(e.value) == (
+      f"rollout.prompts_per_step x rollout.group_size = 6 does not divide the train pool's batch axes (4 ways); "
+      f"rollout.prompts_per_step=3 overrides the plan's 8 in {plan}: drop the override or pick a multiple of 4 "
+      f"(rollout.prompts_per_step a multiple of 2 at group_size 2)")
+
+
+GROUPS = """platform: cpu
+num_devices: 8
+pools:
+  train: {{devices: 2, mesh: {{fsdp: 2}}}}
+  rollout:
+    devices: {devices}
+    mesh: {{data: 3, tensor: 2}}
+    replicas:
+    - {{count: 2, mesh: {{tensor: 1}}, share: {a}}}
+    - {{count: 1, mesh: {{tensor: {t}}}, share: {b}}}
+plan: {{workload: {{batch_size: 8, group_size: 2}}}}
+"""
+
+
+def _groups(tmp_path, a=0.25, b=0.5, t=2):
+  path = tmp_path / "groups.yaml"
+  path.write_text(GROUPS.format(devices=2 + t, a=a, b=b, t=t))
+  return str(path)
+
+
+def _group_config(path, **fields):
+  cfg = load_config(**{"rollout.prompts_per_step": 8, "rollout.group_size": 2, **fields})
+  cfg.mesh_file, cfg.model = path, load_model("tiny")[1]
+  return cfg
+
+
+def _one_line(error_type, fn, *args):
+  with pytest.raises(error_type) as e:
+    fn(*args)
+  assert "\n" not in str(e.value) and isinstance(e.value, UserError)
+  return str(e.value)
+
+
+def test_replica_groups_that_the_runtime_cannot_run_fail_in_one_line(tmp_path):
+  good = _groups(tmp_path)
+  mesh_file = meshes.load_mesh_file(good)
+  assert [(g.count, g.share) for g in mesh_file.pools["rollout"].groups] == [(2, 0.25), (1, 0.5)]
+  cfg = _group_config(good, **{"cluster.backend": "ray", "sync.method": "orbax"})
+  runtime.validate(cfg, mesh_file)
+  cluster.check_config(cfg, mesh_file)
+
+  # A tensor degree that does not divide the model's 4 heads and 2 KV heads.
+  path = _groups(tmp_path, t=3)
+  msg = _one_line(MeshError, runtime.validate, _group_config(path), meshes.load_mesh_file(path))
+  assert msg.startswith(f"{path}: pools.rollout.replicas[1] (device_type None, mesh {{'tensor': 3}}): ")
+  assert "['embed'] dim 0 ('vocab_in', size 16) does not divide over mesh axes ('tensor',) (size 3)" in msg
+  assert msg.endswith("use a tensor degree that divides the model's 4 heads, 2 KV heads, MLP 256 and vocab 16: "
+                      "one of [1, 2]")
+
+  # Shares that do not cover the batch once.
+  path = _groups(tmp_path, a=0.25, b=0.25)
+  msg = _one_line(MeshError, meshes.load_mesh_file, path)
+  assert msg == (f"{path}: pools.rollout.replicas: the shares cover 0.75 of a batch (sum of count x share over the "
+                 "groups); make them sum to 1, or drop share to let the runtime divide the batch")
+  # A plan's shares that are not whole prompt groups of this batch: 0.3 x 8 prompts. (Hand-written shares,
+  # without plan.workload, are only the router's prior: they need to sum to 1, nothing more.)
+  path = _groups(tmp_path, a=0.3, b=0.4)
+  msg = _one_line(MeshError, runtime.validate, _group_config(path), meshes.load_mesh_file(path))
+  hand_written = tmp_path / "hand.yaml"
+  hand_written.write_text(
+      pathlib.Path(path).read_text().replace("plan: {workload: {batch_size: 8, group_size: 2}}", ""))
+  runtime.validate(_group_config(str(hand_written)), meshes.load_mesh_file(str(hand_written)))
+  assert msg.startswith(f"{path}: pools.rollout.replicas[0].share = 0.3 gives each replica 4.8 of the 16 sequences")
+  assert "make share x 8 prompts a whole number" in msg
+  # ... and a user's batch that the plan's shares do not split: 0.25 x 6 prompts, naming the override.
+  msg = _one_line(MeshError, runtime.validate, _group_config(good, **{"rollout.prompts_per_step": 6}), mesh_file)
+  assert "replicas[0].share = 0.25 gives each replica 3 of the 12 sequences" in msg
+  assert f"rollout.prompts_per_step=6 overrides the plan's 8 in {good}: drop the override or make share" in msg
+
+  # Several replica groups on the local backend: the backend check says to use Ray, before any device.
+  msg = _one_line(ConfigError, cluster.check_config, _group_config(good), mesh_file)
+  assert msg.startswith(f"{good}: pools.rollout.replicas holds 2 replica group(s)")
+  assert "use --config.cluster.backend=ray" in msg
+  mixed = meshes.load_mesh_file(str(MESHES / "tpu-train-gpu-rollout.yaml"))
+  msg = _one_line(ConfigError, cluster.check_config, _group_config(good), mixed)
+  assert "platform mixed" in msg and msg.endswith("use --config.cluster.backend=ray")
+
+  bad = tmp_path / "bad.yaml"
+  bad.write_text(GROUPS.format(devices=4, a=0.25, b=0.5, t=2).replace("share: 0.5", "share: null"))
+  assert "replicas[1] have no share while other groups do" in _one_line(MeshError, meshes.load_mesh_file, str(bad))
+  bad.write_text(PLAN_FILE.replace("batch_size: 8", "batch_size: eight"))
+  assert "plan.workload.batch_size must be a positive integer" in _one_line(MeshError, meshes.load_mesh_file, str(bad))
