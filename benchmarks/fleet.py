@@ -1,0 +1,163 @@
+"""A mixed rollout fleet against its own groups alone and against whole-batch dispatch, one run.
+
+On meshes/cpu-mixed.yaml (group 0: one replica of 2 devices at tensor 2 on core 0; group 1: two
+single-device replicas on core 1), generation only (no trainer), the same weights and batches
+for every configuration, two batches in flight as at eta = 1:
+
+  fleet     the Ray rollout side with every replica, batches routed over them by prompt group
+  solo g    the same side built from group g alone (its replicas only)
+  batches   today's dispatch: each batch whole on one free replica (a single-replica side per
+            replica, a batch to whichever is free), so with 2 in flight one replica waits
+
+  python benchmarks/fleet.py [--batches 8 --prompts 8 --group 8 --new 64]  ->  benchmarks/out/fleet.json
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import ray
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from jaxrl_hex.cluster.ray_backend import RayRolloutSide  # noqa: E402
+from jaxrl_hex.config import load_config_file  # noqa: E402
+from jaxrl_hex.runtime import build_runtime  # noqa: E402
+from jaxrl_hex.sync import make_sync  # noqa: E402
+
+MESH = os.path.join(ROOT, "meshes", "cpu-mixed.yaml")
+MODEL = dict(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, mlp_dim=1024)
+
+
+def _mesh_with(replicas, tmp) -> str:
+  """cpu-mixed.yaml with the rollout side cut to `replicas` ([{group entry}]), shares renormalised."""
+  mesh = yaml.safe_load(open(MESH))
+  total = sum(g["count"] * g["share"] for g in replicas)
+  groups = [dict(g, share=g["share"] / total) for g in replicas]
+  mesh["pools"]["rollout"] = {
+      "devices": sum(g["count"] * g["mesh"].get("tensor", 1) for g in groups),
+      "replicas": groups
+  }
+  path = os.path.join(tmp, f"mesh-{len(os.listdir(tmp))}.yaml")
+  with open(path, "w") as f:
+    yaml.safe_dump(mesh, f)
+  return path
+
+
+def _config(mesh_file, args):
+  cfg = load_config_file(os.path.join(ROOT, "configs", "arith_grpo.py"))
+  cfg.mesh_file, cfg.cluster.backend, cfg.sync.method = mesh_file, "ray", "direct"
+  cfg.model.update(MODEL)
+  cfg.rollout.update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new)
+  cfg.rollout.eos_ids = [cfg.model.vocab_size - 1]  # random weights: lengths come from the budget, not EOS
+  return cfg
+
+
+def _batches(rt, args):
+  records = [dict(r, index=i) for i, r in enumerate(rt.task.train)]
+  n = args.prompts
+  return [records[k * n:(k + 1) * n] for k in range(args.batches + 1)]  # + 1: the warm-up batch
+
+
+def _run(generate, batches, args):
+  """Warm-up batch, then the rest with two in flight -> (tokens/s, seconds)."""
+  generate(batches[0], 0)
+  t0, tokens = time.perf_counter(), 0
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for rollout in pool.map(lambda kb: generate(kb[1], kb[0]), enumerate(batches[1:], 1)):
+      tokens += rollout.num_tokens
+  seconds = time.perf_counter() - t0
+  return tokens / seconds, seconds
+
+
+def _side(mesh_file, args, params, tmp):
+  cfg = _config(mesh_file, args)
+  rt = build_runtime(cfg)
+  side = RayRolloutSide(rt, tempfile.mkdtemp(dir=tmp))
+  handle = make_sync("direct", rt.policy.shapes()).publish(1, params)
+  return rt, side, handle
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--batches", type=int, default=8)
+  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--group", type=int, default=8)
+  ap.add_argument("--new", type=int, default=64)
+  args = ap.parse_args()
+  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+  tmp = tempfile.mkdtemp()
+  groups = yaml.safe_load(open(MESH))["pools"]["rollout"]["replicas"]
+  rt = build_runtime(_config(MESH, args))
+  params = rt.policy.init(0)
+  batches = _batches(rt, args)
+  results = {}
+
+  _, fleet, handle = _side(MESH, args, params, tmp)
+  results["fleet"] = _run(lambda recs, k: fleet.generate(recs, args.group, 0, k, handle)[0], batches, args)
+  route = fleet.router.stats
+  fleet.close()
+  for gi, g in enumerate(groups):
+    _, solo, h = _side(_mesh_with([g], tmp), args, params, tmp)
+    results[f"solo group {gi}"] = _run(lambda recs, k, s=solo, h=h: s.generate(recs, args.group, 0, k, h)[0], batches,
+                                       args)
+    solo.close()
+
+  singles = []  # one single-replica side per replica: whole batches, to whichever is free
+  for g in groups:
+    for i in range(g["count"]):
+      one = dict(g, count=1, affinity=[g["affinity"][i]] if g.get("affinity") else [])
+      singles.append(_side(_mesh_with([one], tmp), args, params, tmp)[1:])
+  free = list(range(len(singles)))
+  lock = threading.Semaphore(len(singles))
+  guard = threading.Lock()
+
+  def whole(recs, k):
+    with lock:
+      with guard:
+        i = free.pop(0)
+      try:
+        side, h = singles[i]
+        return side.generate(recs, args.group, 0, k, h)[0]
+      finally:
+        with guard:
+          free.append(i)
+
+  for side, _ in singles:  # each compiles on its own warm-up batch
+    side.generate(batches[0], args.group, 0, 0, singles[0][1])
+  results["batches"] = _run(whole, batches, args)
+  for side, _ in singles:
+    side.close()
+
+  solo_sum = sum(v[0] for k, v in results.items() if k.startswith("solo"))
+  out = {
+      "workload": vars(args),
+      "tokens_per_s": {
+          k: v[0] for k, v in results.items()
+      },
+      "seconds": {
+          k: v[1] for k, v in results.items()
+      },
+      "fleet_vs_solo_sum": results["fleet"][0] / solo_sum,
+      "fleet_vs_batch_dispatch": results["fleet"][0] / results["batches"][0],
+      "fleet_replicas": route,
+  }
+  os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+  with open(os.path.join(HERE, "out", "fleet.json"), "w") as f:
+    json.dump(out, f, indent=2)
+  for k, v in results.items():
+    print(f"{k:>14}: {v[0]:8.0f} tok/s ({v[1]:.1f} s)")
+  print(f"fleet / sum of solo groups {out['fleet_vs_solo_sum']:.2f}x (goal >= 0.9); "
+        f"fleet / whole-batch dispatch {out['fleet_vs_batch_dispatch']:.2f}x (goal >= 1.3)")
+  ray.shutdown()
+
+
+if __name__ == "__main__":
+  main()
