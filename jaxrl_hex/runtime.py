@@ -57,8 +57,9 @@ class Runtime:
     return self.pool(role).shardings_for(self.policy.logical_axes(), self.policy.shapes())
 
 
-def validate(cfg, mesh_file=None, tokenizer=None):
-  """Every config check that needs no devices; raises ConfigError with a one-line fix."""
+def validate(cfg, mesh_file=None, tokenizer=None, policy=None):
+  """Every config check that needs no devices; raises ConfigError with a one-line fix. `policy`:
+  the model built from cfg.model, if the caller has it (else built here when replica layouts need it)."""
   validate_fields(cfg, tokenizer)
   try:
     validate_algo(cfg)
@@ -100,10 +101,11 @@ def validate(cfg, mesh_file=None, tokenizer=None):
     if mesh_file.workload is not None:  # a plan's shares are whole prompts; hand-written ones are the router's prior
       meshes.check_replica_shares(mesh_file.path, rollout, r.prompts_per_step, r.group_size, note)
     m = cfg.model
-    try:  # the architecture as far as the config knows it (vocab_size 0 = the tokenizer's: not yet known)
-      policy = Policy.build(model_config(**m)) if m.vocab_size > 0 else None
-    except (ValueError, TypeError):
-      policy = None  # build_runtime reports a bad model config
+    if policy is None:
+      try:  # the architecture as far as the config knows it (vocab_size 0 = the tokenizer's: not yet known)
+        policy = Policy.build(model_config(**m)) if m.vocab_size > 0 else None
+      except (ValueError, TypeError):
+        policy = None  # build_runtime reports a bad model config
     if policy is not None:
       dims = (m.n_heads, m.n_kv_heads, m.mlp_dim, m.vocab_size)
       degrees = [t for t in (1, 2, 4, 8, 16) if not any(d % t for d in dims)]
@@ -127,13 +129,11 @@ def build_runtime(cfg, own_runtime=False, replica=None) -> Runtime:
   if cfg.model.vocab_size == 0:  # "auto": the task tokenizer's size, rounded up so it shards
     with cfg.unlocked():
       cfg.model.vocab_size = -(-task.tokenizer.vocab_size // 8) * 8
-  validate(cfg, mesh_file, task.tokenizer)
   try:
     policy = Policy.build(model_config(**cfg.model))
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  rollout = mesh_file.pools.get("rollout")
-  groups = rollout.replica_specs() if rollout is not None and rollout.groups else []
-  for spec in [*mesh_file.pools.values(), *groups]:  # a parameter that cannot shard fails here, not inside jit
+  validate(cfg, mesh_file, task.tokenizer, policy)  # checks every replica group's layout too
+  for spec in mesh_file.pools.values():  # a parameter that cannot shard fails here, not inside jit
     spec.check_shardable(policy.logical_axes(), policy.shapes())
   return Runtime(cfg, task, mesh_file, policy, own_runtime, replica)

@@ -116,15 +116,20 @@ def test_hung_rollout_workers_are_replaced_then_the_run_gives_up(ray_session, wa
     commands.train(cfg, str(tmp_path / "run"))
 
 
+def _train_command(workdir, warm_workdir, mesh_file, steps, **overrides):
+  """`jaxrl-hex train` on the Ray backend with direct sync, as a subprocess to kill parts of."""
+  return [
+      sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
+      f"--config.mesh_file={mesh_file}", "--config.cluster.backend=ray", "--config.sync.method=direct",
+      f"--config.train.steps={steps}", "--config.train.eval_every=100",
+      *[f"--config.{k}={v}" for k, v in dict(SMALL, **overrides).items()]
+  ]
+
+
 def test_killed_rollout_process_is_replaced_and_no_prompt_is_lost_or_repeated(warm_workdir, tmp_path):
   workdir = tmp_path / "run"
   steps = 12
-  cmd = [
-      sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
-      f"--config.mesh_file={RAY_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
-      f"--config.train.steps={steps}", "--config.train.eval_every=100",
-      *[f"--config.{k}={v}" for k, v in SMALL.items()]
-  ]
+  cmd = _train_command(workdir, warm_workdir, RAY_MESH, steps)
   proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, JAXRL_HEX_QUIET="1"), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT)
   metrics = workdir / "metrics.jsonl"
@@ -268,14 +273,7 @@ def test_killed_replica_of_either_group_loses_and_repeats_no_prompt(warm_workdir
   layout, its chunk goes back to the router, and every batch holds its prompts exactly once."""
   workdir = tmp_path / "run"
   steps = 14
-  cmd = [
-      sys.executable, "-m", "jaxrl_hex.cli", "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}",
-      f"--config.mesh_file={MIXED_MESH}", "--config.cluster.backend=ray", "--config.sync.method=direct",
-      f"--config.train.steps={steps}", "--config.train.eval_every=100",
-      *[f"--config.{k}={v}" for k, v in dict(SMALL, **{
-          "train.eval_size": 16
-      }).items()]
-  ]
+  cmd = _train_command(workdir, warm_workdir, MIXED_MESH, steps, **{"train.eval_size": 16})
   proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, JAXRL_HEX_QUIET="1"), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT)
   metrics = workdir / "metrics.jsonl"
