@@ -130,19 +130,19 @@ def rollout_point(pool, name, batch, context, held_out) -> Point:
   replicated = pool.replicated()
   sampling = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
-  def calls(params, state, live, rng):
+  def calls(params, state, live):
     state = _rewind(state, start)
-    return S.decode(policy, sampling, (-1,), DECODE_STEPS, length, params, state, live, rng, False)
+    return S.decode(policy, sampling, (-1,), DECODE_STEPS, length, params, state, live, False)
 
-  fn = jax.jit(calls, in_shardings=(param_shardings, state_shardings, replicated, replicated),
+  fn = jax.jit(calls, in_shardings=(param_shardings, state_shardings, replicated),
                out_shardings=(state_shardings, replicated), donate_argnums=(1,))
   params = jax.device_put(params, param_shardings)
   state = dataclasses.replace(S.init_state(cfg, slots, length, cfg.dtype), max_new=jnp.full((slots,), 2**30))
   box = {"state": jax.device_put(state, state_shardings)}  # donated and replaced by every call
-  live, rng = np.ones(slots, bool), jax.random.key(0)
+  live = np.ones(slots, bool)
 
   def run():
-    box["state"], out = fn(params, box["state"], live, rng)
+    box["state"], out = fn(params, box["state"], live)
     steps = jax.device_get(out).steps  # the engine fetches tokens, logprobs and flags every call too
     if steps != DECODE_STEPS:
       raise RuntimeError(f"decode ran {steps} steps, not {DECODE_STEPS}: a slot finished")

@@ -57,6 +57,7 @@ def _config(mesh_file, args):
   cfg.model.update(MODEL)
   cfg.rollout.update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new)
   cfg.rollout.eos_ids = [cfg.model.vocab_size - 1]  # random weights: lengths come from the budget, not EOS
+  cfg.train.max_staleness = 1  # eta = 1: two batches in flight
   return cfg
 
 
@@ -102,7 +103,7 @@ def main():
 
   _, fleet, handle = _side(MESH, args, params, tmp)
   results["fleet"] = _run(lambda recs, k: fleet.generate(recs, args.group, 0, k, handle)[0], batches, args)
-  route = fleet.router.stats
+  route = [g for g in fleet.describe()["groups"]]
   fleet.close()
   for gi, g in enumerate(groups):
     _, solo, h = _side(_mesh_with([g], tmp), args, params, tmp)
@@ -137,6 +138,9 @@ def main():
     side.close()
 
   solo_sum = sum(v[0] for k, v in results.items() if k.startswith("solo"))
+  replicas = [dict(r, group=g["group"]) for g in route for r in g["routed"]]
+  fastest = max(replicas, key=lambda r: r["tokens"] / max(r["busy_s"], 1e-9))
+  fastest_idle = fastest["idle_s"] / max(fastest["idle_s"] + fastest["busy_s"], 1e-9)
   out = {
       "workload": vars(args),
       "tokens_per_s": {
@@ -147,7 +151,8 @@ def main():
       },
       "fleet_vs_solo_sum": results["fleet"][0] / solo_sum,
       "fleet_vs_batch_dispatch": results["fleet"][0] / results["batches"][0],
-      "fleet_replicas": route,
+      "fleet_replicas": replicas,
+      "fastest_replica_idle_share": fastest_idle,
   }
   os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
   with open(os.path.join(HERE, "out", "fleet.json"), "w") as f:
@@ -156,6 +161,10 @@ def main():
     print(f"{k:>14}: {v[0]:8.0f} tok/s ({v[1]:.1f} s)")
   print(f"fleet / sum of solo groups {out['fleet_vs_solo_sum']:.2f}x (goal >= 0.9); "
         f"fleet / whole-batch dispatch {out['fleet_vs_batch_dispatch']:.2f}x (goal >= 1.3)")
+  for r in replicas:
+    print(f"  replica {r['replica']} (group {r['group']}, {r['slots']} slots): {r['prompts']} prompts, busy "
+          f"{r['busy_s']:.1f} s, idle {r['idle_s']:.1f} s, slot occupancy {r['occupancy']:.2f}")
+  print(f"fastest replica ({fastest['replica']}) idle {fastest_idle:.0%} of its time (goal <= 10%)")
   ray.shutdown()
 
 

@@ -127,6 +127,17 @@ def _start_wandb(workdir, config, append):
   return run
 
 
+def covered_seconds(spans, lo, hi) -> float:
+  """Seconds of [lo, hi] inside the union of the (start, end) spans (busy time of overlapping work)."""
+  total, reach = 0.0, lo
+  for start, end in sorted(spans):
+    start, end = max(start, reach), min(end, hi)
+    if end > start:
+      total += end - start
+      reach = end
+  return total
+
+
 def read_jsonl(path):
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]

@@ -11,11 +11,12 @@ import time
 import typing
 
 import numpy as np
+import yaml
 
 from jaxrl_hex import arguments
-from jaxrl_hex.config import read_run_config
+from jaxrl_hex.config import read_run_config, resolve_path
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.metrics import read_jsonl
+from jaxrl_hex.metrics import covered_seconds, read_jsonl
 
 # figure file -> caption; the markdown lists them in this order
 FIGURES = {
@@ -259,7 +260,56 @@ def summarize(run: Run) -> dict:
       "busy": {
           pool: t / (window[1] - window[0]) for pool, t in sorted(busy.items()) if window[1] > window[0]
       },
+      "plan": plan_vs_measured(run),
   }
+
+
+def _median(values):
+  return float(np.median(values)) if len(values) else None
+
+
+def plan_vs_measured(run: Run) -> dict | None:
+  """The planner's predictions for the run's mesh file (its `plan:` block, as `jaxrl-hex plan`
+  writes it) beside what the run measured, in the same units: {figure: (predicted, measured)}.
+  None when the mesh file holds no plan.
+    step_s            median seconds between train steps
+    train_step_s      median train step (its `step` spans)
+    rollout_s         median generation of a batch (its `generate` spans)
+    gen_tokens_per_s  tokens generated over the seconds some batch was generating
+    share[g]          a replica's fraction of the prompts, per replica group (Ray fleets)"""
+  mesh_file = run.config.get("mesh_file") if run.config is not None else None
+  path = resolve_path(mesh_file) if mesh_file else None
+  if not path or not os.path.exists(path):
+    return None
+  with open(path) as f:
+    raw = yaml.safe_load(f) or {}
+  predicted = (raw.get("plan") or {}).get("predicted")
+  if not predicted:
+    return None
+  walls = [r["wall_s"] for r in run.rows if r.get("batch") is not None]
+  steps = [s["end"] - s["start"] for s in run.spans if (s["pool"], s["kind"]) == ("train", "step")]
+  gens = {s["batch"]: s for s in run.spans if (s["pool"], s["kind"]) == ("rollout", "generate")}
+  tokens = sum(r["rollout_tokens_per_s"] * (gens[r["batch"]]["end"] - gens[r["batch"]]["start"]) for r in run.rows
+               if r.get("batch") in gens and r.get("rollout_tokens_per_s") is not None)
+  spans = [(s["start"], s["end"]) for s in gens.values()]
+  generating = covered_seconds(spans, min((a for a, _ in spans), default=0.0), max((b for _, b in spans), default=0.0))
+  measured = {
+      "step_s": _median(np.diff(walls)),
+      "train_step_s": _median(steps),
+      "rollout_s": _median([s["end"] - s["start"] for s in gens.values()]),
+      "gen_tokens_per_s": tokens / generating if generating else None,
+  }
+  out = {k: (predicted.get(k), v) for k, v in measured.items()}
+  groups = (raw.get("pools", {}).get("rollout") or {}).get("replicas") or []
+  prompts = {}
+  for s in run.spans:
+    if (s["pool"], s["kind"]) == ("rollout", "route"):
+      for r in s["replicas"]:
+        prompts[r["group"]] = prompts.get(r["group"], 0) + r["prompts"]
+  total = sum(prompts.values())
+  for gi, g in enumerate(groups):
+    out[f"share[{gi}]"] = (g.get("share"), prompts.get(gi, 0) / total / g["count"] if total else None)
+  return out
 
 
 def _fmt(value, spec="{:.3f}"):
@@ -288,8 +338,22 @@ def markdown(runs, summaries, figures, command) -> str:
                    f"eval accuracy {_fmt(s['warm_start_accuracy'])} before RL.")
   lines += [
       "", "Tokens/s and sync are medians over the logged steps; *pools busy* is the share of the "
-      "run's span window each pool spent in recorded work.", "", "## Figures", ""
+      "run's span window each pool spent in recorded work.", ""
   ]
+  for run, s in zip(runs, summaries):
+    if s.get("plan") is not None:
+      lines += [
+          f"## Plan vs measured: {run.label}", "", "| figure | planner | measured | measured / planner |",
+          "|---|---|---|---|"
+      ]
+      for name, (want, got) in s["plan"].items():
+        ratio = got / want if want and got is not None else None
+        lines.append(f"| {name} | {_fmt(want, '{:,.4g}')} | {_fmt(got, '{:,.4g}')} | {_fmt(ratio, '{:.2f}x')} |")
+      lines += [
+          "", "The planner's figures are the `plan: predicted:` block of the run's mesh file, "
+          "as `jaxrl-hex plan` wrote it.", ""
+      ]
+  lines += ["## Figures", ""]
   for name in figures:
     title = name[:-len(".png")].replace("_", " ")
     lines += [f"### {title}", "", FIGURES[name], "", f"![{title}]({name})", ""]

@@ -66,3 +66,36 @@ def test_report_of_a_directory_without_a_run(capsys, tmp_path):
   assert cli.main(["report", str(tmp_path)]) == 2
   err = capsys.readouterr().err.strip()
   assert err == f"jaxrl-hex: error: report: {tmp_path} has no metrics.jsonl; pass the workdir of a train or sft run"
+
+
+def test_plan_vs_measured_reads_the_plan_of_the_run_mesh_file(short_run, tmp_path):
+  """A run whose mesh file carries a planner's `plan:` block: the report puts each predicted
+  figure beside the run's own measure of it."""
+  import shutil
+
+  import yaml
+
+  from jaxrl_hex.config import read_run_config, write_run_config
+  from jaxrl_hex.metrics import read_jsonl
+  workdir = tmp_path / "planned"
+  shutil.copytree(short_run, workdir, ignore=shutil.ignore_patterns("checkpoints", "report", "tb"))
+  cfg = read_run_config(str(workdir))
+  mesh = yaml.safe_load(open(cfg.mesh_file))
+  mesh["plan"] = {"predicted": {"step_s": 0.5, "train_step_s": 0.25, "rollout_s": 0.4, "gen_tokens_per_s": 1000.0}}
+  (workdir / "mesh.yaml").write_text(yaml.safe_dump(mesh))
+  with cfg.unlocked():
+    cfg.mesh_file = str(workdir / "mesh.yaml")
+  write_run_config(cfg, str(workdir))
+  assert cli.main(["report", str(workdir)]) == 0
+  plan = json.load(open(workdir / "report" / "report.json"))["planned"]["plan"]
+  rows = [r for r in read_jsonl(workdir / "metrics.jsonl") if r.get("phase") == "train" and "batch" in r]
+  spans = read_jsonl(workdir / "spans.jsonl")
+  steps = [s["end"] - s["start"] for s in spans if s["pool"] == "train" and s["kind"] == "step"]
+  assert plan["step_s"] == [0.5, pytest.approx(np.median(np.diff([r["wall_s"] for r in rows])))]
+  assert plan["train_step_s"] == [0.25, pytest.approx(np.median(steps))]
+  gens = {s["batch"]: s for s in spans if s["pool"] == "rollout" and s["kind"] == "generate"}
+  assert plan["rollout_s"][1] == pytest.approx(np.median([s["end"] - s["start"] for s in gens.values()]))
+  assert 0 < plan["gen_tokens_per_s"][1] < 1e6
+  md = open(workdir / "report" / "report.md").read()
+  assert "## Plan vs measured: planned" in md
+  assert f"| step_s | 0.5 | {plan['step_s'][1]:,.4g} | {plan['step_s'][1] / 0.5:.2f}x |" in md

@@ -11,8 +11,16 @@ from jaxrl_hex.models.hf import load_params
 from jaxrl_hex.rl.objectives import make_rl_loss
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer
 from jaxrl_hex.rollout.engine import Engine, engine_options
+from jaxrl_hex.rollout.stream import ChunkStream
 from jaxrl_hex.sft import run_sft
 from jaxrl_hex.sync import make_sync
+
+ADVANCE_MAX_S = 1.0  # longest a fleet replica's call runs without news (weights arrive beside it)
+
+
+def batch_key(seed, batch_index):
+  """The rng of batch `batch_index`; a prompt group's samples are keyed by it and the group's id."""
+  return jax.random.fold_in(jax.random.key(seed), batch_index)
 
 
 def sync_directory(cfg, workdir):
@@ -87,16 +95,30 @@ class LocalRolloutSide:
     self.engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **options,
                          weights_source=self._fresh_weights)
     self.eval_engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, **options)
+    self.stream = ChunkStream(self.engine)  # a fleet replica's routed chunks (advance)
+    self.receives = []  # (start, end) of the weight receives the engine pulled mid-generation
+
+  def warmup(self, sample: int = 1000) -> float:
+    """Compiles the engine's programs for the task's prompt lengths (a sample of its training
+    prompts) before the replica takes work -> seconds."""
+    tok, records = self.rt.tokenizer, self.rt.task.train
+    step = max(1, len(records) // sample)
+    lengths = [len(tok.encode(records[i]["prompt"])) + 1 for i in range(0, len(records), step)]  # + BOS
+    return self.engine.warmup(lengths, self.rt.cfg.rollout.group_size)
 
   def offer(self, handle):
     """Called right after each publish: in-flight sequences switch to these weights at the engine's
     next hand-back (rollout.interrupt), each new token carrying the new version."""
-    self._offered = handle
+    if self._offered is None or handle.version > self._offered.version:
+      self._offered = handle
 
   def _fresh_weights(self):
     handle = self._offered
     if handle is not None and handle.version > self.engine.version:
-      return self.sync.receive(handle)
+      start = time.time()
+      weights = self.sync.receive(handle)
+      self.receives.append((start, time.time()))
+      return weights
     return None
 
   def refresh(self, engine, handle):
@@ -107,16 +129,31 @@ class LocalRolloutSide:
       return start, time.time()
     return None
 
-  def generate(self, records, group_size, seed, batch_index, handle, chunk=None):
-    """-> (Rollout, receive span or None). Weights are at least handle.version. `chunk`: a routed
-    part of a batch (cluster/router.py) gets its own key, fold_in of the batch's by `chunk`."""
+  def generate(self, records, group_size, seed, batch_index, handle):
+    """-> (Rollout, receive span or None). Weights are at least handle.version."""
     span = self.refresh(self.engine, handle)
-    key = jax.random.fold_in(jax.random.key(seed), batch_index)
-    if chunk is not None:
-      key = jax.random.fold_in(key, chunk)
-    rollout = self.engine.generate([r["prompt"] for r in records], group_size, key,
+    rollout = self.engine.generate([r["prompt"] for r in records], group_size, batch_key(seed, batch_index),
                                    group_ids=[r["index"] for r in records])
     return rollout, span
+
+  def advance(self, chunks, handle) -> dict:
+    """A fleet replica's step: queues `chunks` [(id, records, group_size, seed, batch_index)] on
+    the running engine, then hand-backs until a chunk finishes or the engine has room for more
+    -> {done: [(id, Rollout)], tokens generated, decode steps run, receives: [(start, end)] of
+    weights pulled}. Weights are at least handle.version for every queued group (the engine
+    switches before it admits); a group's samples are those generate() would draw."""
+    self.offer(handle)
+    for cid, records, group_size, seed, batch_index in chunks:
+      self.stream.submit(cid, [r["prompt"] for r in records], group_size, batch_key(seed, batch_index),
+                         [r["index"] for r in records])
+    tokens, steps, self.receives = self.engine.tokens_generated, self.engine.decode_steps, []
+    done = self.stream.advance(max_s=ADVANCE_MAX_S, group_size=self.rt.cfg.rollout.group_size)
+    return {
+        "done": done,
+        "tokens": self.engine.tokens_generated - tokens,
+        "steps": self.engine.decode_steps - steps,
+        "receives": self.receives
+    }
 
   def evaluate(self, records, handle) -> list[str]:
     self.refresh(self.eval_engine, handle)

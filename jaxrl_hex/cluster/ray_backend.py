@@ -198,15 +198,20 @@ def _group_options(spec, platform) -> dict:
   return options
 
 
-def _slots(rollout_cfg, share, pieces, spec) -> int:
-  """Decode slots of a replica's engine when rollout.slots is auto: the rows of one routed piece of
-  its share of a batch (a decode step computes every slot, live or not, so a replica sized for a
-  whole batch would pay a batch's compute for its piece), at least one group, a multiple of the
-  replica's batch axes."""
-  r = rollout_cfg
+TOP_UP_WAIT_S = 0.05
+
+
+def _slots(cfg, share, spec, replicas) -> int:
+  """Decode slots of a replica's engine when rollout.slots is auto: the rows of its share of the
+  batches in flight (at most eta + 1, and one per replica), rounded to whole groups, so its
+  engine stays full while the fleet is (a decode step computes every slot, live or not: a
+  replica sized for more than its share pays for rows it never gets), at least one group, a
+  multiple of its batch axes."""
+  r = cfg.rollout
   if r.slots:
     return r.slots
-  rows = r.group_size * max(1, math.ceil(share * r.prompts_per_step / pieces - 1e-9))
+  in_flight = min(replicas, cfg.train.max_staleness + 1)
+  rows = r.group_size * max(1, math.ceil(share * r.prompts_per_step * in_flight - 1e-9))
   ways = spec.batch_ways
   return -(-rows // ways) * ways
 
@@ -234,12 +239,14 @@ class _SpanLog:
 class RayRolloutSide:
   """One RolloutWorker per replica of the rollout pool's replica_specs() (each replica group's own
   layout, device type and pinning), fed by a Router: generate() hands a batch's prompt groups
-  to the router and returns once every group is done; one thread per replica pulls chunks and
-  runs them on its worker. Several batches may be in flight (up to `replicas`, by the gate).
+  to the router and returns once every group is done. One thread per replica keeps its engine
+  full: each call on the worker queues the chunks its free slots have room for (plus one group,
+  so slots freed at a hand-back refill at once) and runs one hand-back of the engine. Several
+  batches may be in flight (up to `replicas`, by the gate) and share a replica's decode steps.
   `pieces`: each replica's share of a batch is handed out in that many chunks, so part of every
-  share stays stealable by a replica that runs ahead; its engine's decode slots fit one piece."""
+  share stays stealable by a replica that runs ahead."""
 
-  def __init__(self, rt, workdir, pieces=2):
+  def __init__(self, rt, workdir, pieces=1):
     import ray
 
     self._ray = ray
@@ -259,7 +266,9 @@ class RayRolloutSide:
     ]
     pieces = 1 if self.replicas == 1 else pieces
     self.router = Router(self.replicas, shares, pieces=pieces)
-    self.slots = [_slots(rt.cfg.rollout, share, pieces, s) for share, s in zip(self.router.prior, self.replica_specs)]
+    self.slots = [_slots(rt.cfg, share, s, self.replicas) for share, s in zip(self.router.prior, self.replica_specs)]
+    self.room = [n // rt.cfg.rollout.group_size + 1 for n in self.slots]  # groups a replica holds
+    self.decoded = [{"tokens": 0, "slot_steps": 0} for _ in range(self.replicas)]  # occupancy = their ratio
     self.workers = [cls.remote(*self._args, i, self.slots[i]) for i, cls in enumerate(self._cls)]
     try:
       ray.get([w.ready.remote() for w in self.workers])
@@ -317,26 +326,54 @@ class RayRolloutSide:
     offered = self._offered
     return offered if offered is not None and offered.version > handle.version else handle
 
-  def _serve(self, i):
-    """Replica i's loop: pull a chunk, generate it, report it; a loss gives the chunk back."""
-    ray = self._ray
-    while True:
-      chunk = self.router.next_chunk(i)
+  def _take(self, i, held) -> list:
+    """New chunks for replica i, as many groups as its room has beside `held`. Blocks when it
+    holds nothing (an empty list then means the router closed); waits TOP_UP_WAIT_S when its
+    slots are not full, as the next batch is often a moment away (its predecessor just finished
+    here), and a call without it would run a whole hand-back with those slots idle."""
+    taken, n = [], sum(len(c.positions) for c, _, _ in held.values())
+    while n < self.room[i]:
+      if not (held or taken):
+        timeout = None
+      else:
+        timeout = TOP_UP_WAIT_S if n < self.room[i] - 1 and not taken else 0
+      chunk = self.router.next_chunk(i, most=self.room[i] - n, timeout=timeout)
       if chunk is None:
+        break
+      taken.append(chunk)
+      n += len(chunk.positions)
+    return taken
+
+  def _serve(self, i):
+    """Replica i's loop: top up its engine from the router, run a hand-back, report what finished;
+    a loss gives every chunk it held back."""
+    ray = self._ray
+    held = {}  # chunk id -> (Chunk, receive spans while it was held, when it was queued)
+    while True:
+      new = self._take(i, held)
+      if not new and not held:
         return
-      group_size, seed, handle = chunk.context
-      worker = self.workers[i]
       t0 = time.time()
+      for c in new:
+        held[c.id] = (c, [], t0)
+      worker = self.workers[i]
+      handle = self._newest(max((c.context[2] for c, _, _ in held.values()), key=lambda h: h.version))
       try:
-        out = ray.get(worker.generate_chunk.remote(chunk.groups, group_size, seed, chunk.batch, self._newest(handle)),
-                      timeout=self.timeout)
+        out = ray.get(
+            worker.advance.remote([(c.id, c.groups, c.context[0], c.context[1], c.batch) for c in new], handle),
+            timeout=self.timeout)
       except ray.exceptions.RayTaskError as e:
-        self.router.fail(chunk.batch, _unwrap(e))
+        for c, _, _ in held.values():
+          self.router.fail(c.batch, _unwrap(e))
+          self.router.give_back(c)
+        held = {}
         continue
       except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        self.router.give_back(chunk)  # to the front of the queue: every prompt still used exactly once
-        self._spans.span("lost", t0, time.time(), replica=i, group=self.group_of[i], batch=chunk.batch,
-                         prompts=len(chunk.groups))
+        for c, _, _ in held.values():  # to the front of the queue: every prompt still used exactly once
+          self.router.give_back(c)
+          self._spans.span("lost", t0, time.time(), replica=i, group=self.group_of[i], batch=c.batch,
+                           prompts=len(c.groups))
+        held = {}
         if self._closing:
           return
         try:
@@ -346,16 +383,24 @@ class RayRolloutSide:
           return
         continue
       t1 = time.time()
-      rollout = out["rollout"]
-      receive_s = out["receive"][1] - out["receive"][0] if out["receive"] is not None else 0.0
-      warm = worker in self._warm  # a fresh worker's first chunk pays its warm-up: no measure of speed
-      self.router.finish(chunk, out, rollout.num_tokens, overhead_s=out["compile_s"] + receive_s, measure=warm)
+      where = {"replica": i, "group": self.group_of[i]}
+      for start, end in out["receives"]:
+        self._spans.span("receive", start, end, version=out["version"], bytes=out["receive_bytes"], **where)
+      for _, receives, _ in held.values():
+        receives.extend(out["receives"])
+      self.decoded[i]["tokens"] += out["tokens"]
+      self.decoded[i]["slot_steps"] += out["steps"] * self.slots[i]
+      if worker in self._warm:  # a fresh worker's first call pays its warm-up: no measure of speed
+        # speed = slot-steps/s, what the replica could generate full: a decode step costs the same
+        # however many slots are live, so tokens/s would rate an underfed replica slow and feed it less
+        receive_s = sum(end - start for start, end in out["receives"])
+        self.router.measure(i, out["steps"] * self.slots[i], out["seconds"] - out["compile_s"] - receive_s)
       self._warm.add(worker)
-      where = {"replica": i, "group": self.group_of[i], "batch": chunk.batch}
-      if out["receive"] is not None:
-        self._spans.span("receive", *out["receive"], version=out["version"], bytes=out["receive_bytes"], **where)
-      self._spans.span("generate_chunk", t0, t1, prompts=len(chunk.groups), tokens=rollout.num_tokens,
-                       compile_s=out["compile_s"], **where)
+      for cid, rollout in out["done"]:
+        chunk, receives, queued = held.pop(cid)
+        self.router.finish(chunk, {"rollout": rollout, "receives": receives}, rollout.num_tokens)
+        self._spans.span("generate_chunk", queued, t1, prompts=len(chunk.groups), tokens=rollout.num_tokens,
+                         batch=chunk.batch, **where)
 
   # ---- the rollout side's interface ---------------------------------------------------------
   def offer(self, handle):
@@ -373,7 +418,7 @@ class RayRolloutSide:
     results, stats = self.router.wait(batch_index)
     positions = np.concatenate([np.repeat(np.asarray(ps), group_size) for ps, _ in results])  # [N] record of each row
     rollout = select_rows(concat_rollouts([out["rollout"] for _, out in results]), np.argsort(positions, kind="stable"))
-    receives = [out["receive"] for _, out in results if out["receive"] is not None]
+    receives = [span for _, out in results for span in out["receives"]]
     span = (min(a for a, _ in receives), max(b for _, b in receives)) if receives else None
     now = time.time()
     for r in stats["replicas"]:
@@ -398,6 +443,11 @@ class RayRolloutSide:
           raise RuntimeError("the rollout side was closed during evaluate") from None
         self._replace(i, worker)
 
+  def occupancy(self, replica) -> float | None:
+    """The fraction of the replica's decode slot-steps that generated a token."""
+    d = self.decoded[replica]
+    return d["tokens"] / d["slot_steps"] if d["slot_steps"] else None
+
   def describe(self) -> dict:
     """Every replica group with its replicas' processes (pid, host, devices, layout, device type)."""
     processes = []
@@ -420,7 +470,7 @@ class RayRolloutSide:
           "count": len(members),
           "share": g.share if g is not None else None,
           "processes": [processes[r] for r in members],
-          "routed": [dict(stats[r], replica=r) for r in members],
+          "routed": [dict(stats[r], replica=r, slots=self.slots[r], occupancy=self.occupancy(r)) for r in members],
       })
     return {"role": "rollout", "backend": "ray", "mesh": self.spec.axes, "groups": groups, "processes": processes}
 

@@ -1,15 +1,17 @@
 """Request-level routing of prompt groups over rollout replicas of differing speed.
 
 A batch is a list of prompt groups (one prompt and its G samples: a group never splits, so its
-prompt is prefilled once on one replica). Replicas pull: an idle replica asks for its next chunk
-and gets unstarted groups of the oldest batch that has any, as many as its share of the fleet's
-throughput allots it of that batch (in `pieces` chunks, so part of every allotment stays
-stealable). Once its allotment is taken it takes unstarted groups wherever they are (work
-stealing), so a batch is done when the fleet is, not when its slowest member is.
+prompt is prefilled once on one replica). Replicas pull: a replica with room in its engine asks
+for a chunk and gets unstarted groups of the oldest batch that has any, as many as its share of
+the fleet's throughput allots it of that batch (in `pieces` chunks, so part of every allotment
+stays stealable) and its room allows. Once its allotment is taken it takes unstarted groups
+wherever they are (work stealing), so a batch is done when the fleet is, not when its slowest
+member is. A replica may hold several chunks at once (they share its engine's decode steps).
 
 Shares start from the planner's per-replica `share` (or equal) and follow each replica's
-measured tokens/s (an exponential moving average over its chunks). A lost replica's chunk goes
-back to the front of its batch's queue, so every group is generated exactly once.
+measured tokens/s (an exponential moving average over what the replica reports, `measure`). A
+lost replica's chunks go back to the front of their batches' queues, so every group is
+generated exactly once.
 
 Pure Python and thread-safe: the Ray rollout side runs one thread per replica around it.
 """
@@ -19,6 +21,8 @@ import math
 import threading
 import time
 import typing
+
+from jaxrl_hex.metrics import covered_seconds
 
 
 class RouterClosed(Exception):
@@ -34,6 +38,7 @@ class Chunk:
   replica: int
   context: typing.Any  # what the batch was added with (group size, seed, weights handle)
   started: float = 0.0
+  id: int = 0  # unique over the router's life
 
 
 @dataclasses.dataclass
@@ -49,18 +54,20 @@ class _Batch:
   done: int = 0  # groups finished
   finished: float | None = None
   error: BaseException | None = None
-  per_replica: dict = dataclasses.field(default_factory=dict)  # replica -> {prompts, tokens, busy_s}
+  per_replica: dict = dataclasses.field(default_factory=dict)  # replica -> {prompts, tokens, spans}
 
 
 class Router:
   """Owns the prompt groups of every batch in flight, in batch order.
 
-  add_batch(key, groups, context)         a batch's groups, queued unstarted
-  next_chunk(replica, timeout) -> Chunk   blocks until work (None: timeout or closed)
-  finish(chunk, result, tokens, ...)      the chunk's groups are done; updates the replica's speed
-  give_back(chunk)                        a lost replica's chunk, back to the front of the queue
-  fail(key, error)                        the batch's waiter raises `error`
-  wait(key) -> (results, stats)           [(positions, result)] once every group of the batch is done
+  add_batch(key, groups, context)          a batch's groups, queued unstarted
+  next_chunk(replica, most, timeout)       -> Chunk of at most `most` groups; blocks until there is
+                                           work (None: timeout or closed)
+  finish(chunk, result, tokens)            the chunk's groups are done
+  measure(replica, tokens, seconds)        the replica generated `tokens` in `seconds`: its speed
+  give_back(chunk)                         a lost replica's chunk, back to the front of the queue
+  fail(key, error)                         the batch's waiter raises `error`
+  wait(key) -> (results, stats)            [(positions, result)] once every group of the batch is done
   """
 
   def __init__(self, replicas: int, shares=None, pieces: int = 1, alpha: float = 0.5, clock=time.monotonic):
@@ -74,7 +81,9 @@ class Router:
     self.rate = [None] * replicas  # EMA of measured tokens/s
     self.stats = [{"prompts": 0, "tokens": 0, "chunks": 0, "busy_s": 0.0, "idle_s": 0.0} for _ in range(replicas)]
     self._batches = collections.OrderedDict()  # key -> _Batch, in the order they were added
-    self._busy = [[] for _ in range(replicas)]  # per replica: (start, end or None) of its chunks
+    self._busy = [[] for _ in range(replicas)]  # per replica: [start, end or None] while it holds any chunk
+    self._held = [0] * replicas  # chunks each replica holds
+    self._ids = 0
     self._waiting = {}  # replica -> when it started waiting (or was last credited idle time)
     self._active_since = None  # since when some batch is unfinished (idle time counts only then)
     self._cond = threading.Condition()
@@ -107,34 +116,43 @@ class Router:
         self._complete(b, now)
       self._cond.notify_all()
 
-  def _chunk_size(self, b: _Batch, replica: int) -> int:
+  def _chunk_size(self, b: _Batch, replica: int, most: int | None) -> int:
     """Groups `replica` takes of batch `b` now: a piece of its allotment, or, once that is
-    taken, a piece-sized steal of what is still unstarted."""
+    taken and the replica holds nothing, a piece-sized steal of what is still unstarted (a
+    replica with work in hand that stole would take groups from a replica about to ask for
+    them, and hold them longer); at most `most`. 0: nothing for it in `b`."""
     piece = max(1, math.ceil(b.allot[replica] / self.pieces - 1e-9))
     own = round(b.allot[replica] - b.taken[replica])
-    size = min(piece, own) if own >= 1 else piece
-    return max(1, min(size, len(b.unstarted)))
+    size = min(piece, own) if own >= 1 else (piece if self._held[replica] == 0 else 0)
+    if most is not None:
+      size = min(size, most)
+    return min(size, len(b.unstarted))
 
-  def next_chunk(self, replica: int, timeout: float | None = None) -> Chunk | None:
+  def next_chunk(self, replica: int, most: int | None = None, timeout: float | None = None) -> Chunk | None:
     deadline = None if timeout is None else self.clock() + timeout
     with self._cond:
-      self._waiting[replica] = self.clock()
+      waiting = self._held[replica] == 0  # a replica with work in hand is topping up, not idle
+      if waiting:
+        self._waiting[replica] = self.clock()
       try:
         while self._closed is None:
-          b = next((b for b in self._batches.values() if b.unstarted and b.error is None), None)
+          b, n = next(((b, n) for b in self._batches.values() if b.unstarted and b.error is None
+                       for n in [self._chunk_size(b, replica, most)] if n > 0), (None, 0))
           if b is not None:
             now = self.clock()
-            self._credit_idle(replica, now)
-            n = self._chunk_size(b, replica)
+            if waiting:
+              self._credit_idle(replica, now)
             positions = [b.unstarted.popleft() for _ in range(n)]
             b.taken[replica] += n
-            self._busy[replica].append([now, None])
-            return Chunk(b.key, positions, [b.groups[p] for p in positions], replica, b.context, now)
+            self._hold(replica, now, +1)
+            self._ids += 1
+            return Chunk(b.key, positions, [b.groups[p] for p in positions], replica, b.context, now, self._ids)
           left = None if deadline is None else deadline - self.clock()
           if left is not None and left <= 0:
             break
           self._cond.wait(left)
-        self._credit_idle(replica, self.clock())
+        if waiting:
+          self._credit_idle(replica, self.clock())
         return None
       finally:
         self._waiting.pop(replica, None)
@@ -147,37 +165,46 @@ class Router:
       self.stats[replica]["idle_s"] += max(0.0, now - max(since, self._active_since))
     self._waiting[replica] = now
 
-  def _end_busy(self, replica, now):
-    for span in self._busy[replica]:
-      if span[1] is None:
-        span[1] = now
-        return
+  def _hold(self, replica, now, change):
+    """The replica takes (+1) or lets go of (-1) a chunk: a busy span starts at its first and ends
+    with its last."""
+    if change < 0 and self._held[replica] == 0:
+      return
+    self._held[replica] += change
+    if change > 0 and self._held[replica] == 1:
+      self._busy[replica].append([now, None])
+    elif change < 0 and self._held[replica] == 0:
+      span = self._busy[replica][-1]
+      span[1] = now
+      self.stats[replica]["busy_s"] += now - span[0]
 
-  def finish(self, chunk: Chunk, result, tokens: int, overhead_s: float = 0.0, measure: bool = True):
-    """The chunk's groups are done (`result`, `tokens` generated): its replica's speed is updated
-    from the chunk's seconds less `overhead_s` (compiles, weight receives: not generation), unless
-    not `measure` (a fresh replica's first chunk: warm-up, no measure of its speed)."""
+  def measure(self, replica: int, tokens: int, seconds: float):
+    """The replica generated `tokens` in `seconds` of generation (compiles and weight receives
+    left out by the caller): its speed's moving average."""
+    if seconds > 0 and tokens > 0:
+      with self._cond:
+        rate, old = tokens / seconds, self.rate[replica]
+        self.rate[replica] = rate if old is None else self.alpha * rate + (1 - self.alpha) * old
+
+  def finish(self, chunk: Chunk, result, tokens: int):
+    """The chunk's groups are done: `result`, `tokens` generated."""
     with self._cond:
       now = self.clock()
-      r, seconds = chunk.replica, max(now - chunk.started, 1e-9)
-      self._end_busy(r, now)
-      if measure:
-        rate = tokens / max(seconds - overhead_s, 1e-3 * seconds, 1e-9)
-        self.rate[r] = rate if self.rate[r] is None else self.alpha * rate + (1 - self.alpha) * self.rate[r]
+      r = chunk.replica
+      self._hold(r, now, -1)
       s = self.stats[r]
       s["prompts"] += len(chunk.positions)
       s["tokens"] += int(tokens)
       s["chunks"] += 1
-      s["busy_s"] += seconds
       b = self._batches.get(chunk.batch)
       if b is None or b.error is not None:
         return
       b.results.append((list(chunk.positions), result))
       b.done += len(chunk.positions)
-      mine = b.per_replica.setdefault(r, {"prompts": 0, "tokens": 0, "busy_s": 0.0})
+      mine = b.per_replica.setdefault(r, {"prompts": 0, "tokens": 0, "spans": []})
       mine["prompts"] += len(chunk.positions)
       mine["tokens"] += int(tokens)
-      mine["busy_s"] += seconds
+      mine["spans"].append((chunk.started, now))
       if b.done == len(b.groups):
         self._complete(b, now)
       self._cond.notify_all()
@@ -186,7 +213,7 @@ class Router:
     """A lost replica's unfinished chunk: its groups go back to the front of their batch's queue,
     in order, and count again toward that replica's allotment (its replacement takes them)."""
     with self._cond:
-      self._end_busy(chunk.replica, self.clock())
+      self._hold(chunk.replica, self.clock(), -1)
       b = self._batches.get(chunk.batch)
       if b is not None and b.error is None:
         b.unstarted.extendleft(reversed(chunk.positions))
@@ -224,17 +251,22 @@ class Router:
       return b.results, self._batch_stats(b)
 
   def _batch_stats(self, b: _Batch) -> dict:
-    """Per replica over the batch's wall time: its prompts, tokens and busy seconds on this batch,
-    and its idle seconds (the batch running, the replica working on no batch at all)."""
+    """Per replica over the batch's wall time: its prompts, tokens and busy seconds on this batch
+    (while it held a chunk of it), and its idle seconds (the batch running, the replica holding
+    no chunk of any batch)."""
     window = b.finished - b.added
     replicas = []
     for r in range(self.replicas):
-      busy_any = sum(
-          max(0.0,
-              min(b.finished, end if end is not None else b.finished) - max(b.added, start))
-          for start, end in self._busy[r])
-      mine = b.per_replica.get(r, {"prompts": 0, "tokens": 0, "busy_s": 0.0})
-      replicas.append(dict(mine, replica=r, idle_s=max(0.0, window - busy_any)))
+      busy_any = covered_seconds([(s, e if e is not None else b.finished) for s, e in self._busy[r]], b.added,
+                                 b.finished)
+      mine = b.per_replica.get(r, {"prompts": 0, "tokens": 0, "spans": []})
+      replicas.append({
+          "replica": r,
+          "prompts": mine["prompts"],
+          "tokens": mine["tokens"],
+          "busy_s": covered_seconds(mine["spans"], b.added, b.finished),
+          "idle_s": max(0.0, window - busy_any)
+      })
     oldest = min((x.added for x in self._batches.values()), default=b.finished)
     for r in range(self.replicas):  # forget chunks that ended before every batch still in flight
       self._busy[r] = [s for s in self._busy[r] if s[1] is None or s[1] >= oldest]

@@ -2,6 +2,7 @@
 computes exactly as it does in one process; only devices and transport differ."""
 import os
 import socket
+import time
 
 import jax
 from jax.experimental import multihost_utils
@@ -126,6 +127,7 @@ class RolloutWorker:
     rt = build_runtime(cfg, own_runtime=True, replica=replica)
     sync = make_sync(cfg.sync.method, rt.policy.shapes(), rt.shardings("rollout"), sync_directory(cfg, workdir))
     self.side = LocalRolloutSide(rt, sync)
+    self.side.warmup()  # before ready: a fresh or replacement replica never compiles mid-batch
     self.replica, self.device_type = replica, spec.device_type
 
   def ready(self) -> bool:
@@ -137,28 +139,25 @@ class RolloutWorker:
   def evaluate(self, records, handle):
     return self.side.evaluate(records, handle)
 
-  def generate_chunk(self, records, group_size, seed, batch_index, handle) -> dict:
-    """A routed part of a batch: its own rng key (fold_in by its first prompt's index, unique in
-    the batch) -> {rollout, receive: span or None, receive_bytes: what this replica's devices hold,
-    version, compile_s}."""
-    engine = self.side.engine
+  def advance(self, chunks, handle) -> dict:
+    """Routed chunks onto the running engine, then one hand-back (LocalRolloutSide.advance) ->
+    its {done, tokens, receives} + seconds of the call, compile_s (a new shape's compile is no
+    measure of speed), receive_bytes (what this replica's devices hold), version."""
+    engine, t0 = self.side.engine, time.perf_counter()
     compiled = engine.compile_seconds
-    rollout, span = self.side.generate(records, group_size, seed, batch_index, handle, chunk=records[0]["index"])
+    out = self.side.advance(chunks, handle)
     held = 0
-    if span is not None:
+    if out["receives"]:
       held = sum(s.data.nbytes for leaf in jax.tree.leaves(engine.params) for s in leaf.addressable_shards)
-    return {
-        "rollout": rollout,
-        "receive": span,
-        "receive_bytes": held,
-        "version": engine.version,
-        "compile_s": engine.compile_seconds - compiled  # a new shape's compile is no measure of speed
-    }
+    return dict(out, seconds=time.perf_counter() - t0, compile_s=engine.compile_seconds - compiled, receive_bytes=held,
+                version=engine.version)
 
   def describe(self) -> dict:
     pool = self.side.rt.pool("rollout")
+    engine = self.side.engine
     return dict(_describe(), replica=self.replica, device_type=self.device_type or pool.describe()["platform"],
-                platform=pool.describe()["platform"], mesh=pool.axis_sizes)
+                platform=pool.describe()["platform"], mesh=pool.axis_sizes, slots=engine.num_slots,
+                compiles=engine.compile_count, compile_s=round(engine.compile_seconds, 3))
 
   def offer(self, handle):
     """Runs beside generate() (the actor takes two calls at once): the engine picks it up at its

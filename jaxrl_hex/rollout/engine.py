@@ -43,6 +43,8 @@ class Request:
   max_tokens: int | None = None  # None: the engine's max_new_tokens
   stop: tuple = ()  # stop strings on top of the engine's
   id: typing.Any = None
+  key: typing.Any = None  # PRNG key: sample j draws its token c with fold_in(fold_in(key, j), c); None: the
+  # engine's rng, by submission order
 
 
 @dataclasses.dataclass
@@ -68,10 +70,33 @@ class _Seq:  # a slot's sequence in flight
   index: int
   prompt_tokens: list
   max_tokens: int
+  key: np.ndarray  # [K] uint32: the sample's key data
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
   checked: int = 0  # tokens already searched for stop strings
+
+
+class Batch(typing.NamedTuple):
+  """Prompt groups submitted as requests, in the trainer's layout: what assemble() needs."""
+  tokens: np.ndarray  # [N, P] int32: left-padded prompts, N = prompts x group_size, prompt-major
+  valid: np.ndarray  # [N, P] bool
+  group_size: int
+  group_ids: np.ndarray  # [prompts]
+
+  @property
+  def rows(self) -> int:
+    return self.tokens.shape[0]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _sample_keys(key, n: int):
+  return jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n))
+
+
+@jax.jit
+def _group_keys(rng, group_ids):
+  return jax.vmap(lambda g: jax.random.fold_in(rng, g))(group_ids)
 
 
 def pow2_bucket(n: int, least: int = 1) -> int:
@@ -114,7 +139,9 @@ class Engine:
     self.version, self.params = -1, None
     self.compile_count, self.compile_seconds = 0, 0.0
     self.decode_steps = 0  # decode steps run (each over all slots)
-    self.rng = jax.random.key(0)
+    self.tokens_generated = 0
+    self.rng = jax.random.key(0)  # keys of requests submitted without one
+    self._submitted = 0
     self._fns = {}
     self._lock = threading.Lock()
     self._busy = False  # poll() is running (it alone touches the device state)
@@ -126,7 +153,6 @@ class Engine:
     self._state = None
     self._t = 0  # the ring column the next decode step writes (state.t)
     self.greedy = False  # sample at temperature 0 (argmax)
-    self._chunks = 0
 
   def _memory_plan(self, budget_gb: float) -> dict:
     """Per-device bytes of the KV cache and the weights; refuses a cache that does not fit."""
@@ -191,7 +217,19 @@ class Engine:
       if not 1 <= r.n <= self.num_slots:
         raise UserError(f"a request for {r.n} samples needs that many decode slots; rollout.slots={self.num_slots}")
       budget = self.max_new_tokens if r.max_tokens is None else min(int(r.max_tokens), self.max_new_tokens)
-      self._queue.append((r, ids, max(budget, 1)))
+      key = r.key if r.key is not None else jax.random.fold_in(self.rng, self._submitted)
+      self._submitted += 1
+      keys = np.asarray(jax.random.key_data(_sample_keys(key, r.n)))  # [n, K]
+      self._queue.append((r, ids, max(budget, 1), keys))
+
+  @property
+  def queued(self) -> int:
+    """Requests waiting for slots."""
+    return len(self._queue)
+
+  @property
+  def free_slots(self) -> int:
+    return self.num_slots - int(self._live.sum())
 
   @property
   def pending(self) -> int:
@@ -221,10 +259,10 @@ class Engine:
     free = [i for i in range(self.num_slots) if self._seqs[i] is None]
     taken = []
     while self._queue and len(free) >= self._queue[0][0].n:
-      request, ids, budget = self._queue.popleft()
+      request, ids, budget, keys = self._queue.popleft()
       for j in range(request.n):
         slot = free.pop(0)
-        self._seqs[slot] = _Seq(request, j, ids, budget)
+        self._seqs[slot] = _Seq(request, j, ids, budget, keys[j])
         taken.append(slot)
     if not taken:
       return
@@ -241,33 +279,39 @@ class Engine:
     m_b = pow2_bucket(len(taken))
     slot_ids = np.full(m_b, self.num_slots, np.int32)  # padding -> dropped
     src, max_new = np.zeros(m_b, np.int32), np.ones(m_b, np.int32)
+    keys = np.zeros((m_b, self._seqs[taken[0]].key.shape[0]), np.uint32)
     row = -1
     for a, slot in enumerate(taken):
       seq = self._seqs[slot]
       row += seq.index == 0
-      slot_ids[a], src[a], max_new[a] = slot, row, seq.max_tokens
+      slot_ids[a], src[a], max_new[a], keys[a] = slot, row, seq.max_tokens, seq.key
     if self._state is None:
-      self._state = jax.jit(
-          functools.partial(S.init_state, self.policy.cfg, self.num_slots, self.length, self.cache_dtype),
-          out_shardings=self._state_shardings)()
+      self._state = jax.jit(self._init_state, out_shardings=self._state_shardings)()
     if not self._live.any():  # rewind the ring: prompts end at column max_prompt_len - 1, so decode
       self._t = self.max_prompt_len - 1  # reads only the columns written so far until the ring wraps
-    self._state = self._run(("prefill", n_b, p_b, m_b), functools.partial(S.prefill, self.policy), self.params,
-                            self._state, tokens, lengths, slot_ids, src, max_new, np.int32(self._t))
+    self._state = self._run(("prefill", n_b, p_b, m_b), self._prefill_fn(), self.params, self._state, tokens, lengths,
+                            slot_ids, src, max_new, keys, np.int32(self._t))
     self._live[taken] = True
 
-  def _decode(self, stop_on_finish: bool):
+  def _prefill_fn(self):
+    return functools.partial(S.prefill, self.policy)
+
+  def _decode_fn(self, span):
     sampling = dict(self.sampling, temperature=0.0) if self.greedy else self.sampling
+    return functools.partial(S.decode, self.policy, sampling, self.eos_ids, self.steps_per_sync, span,
+                             logits_sharding=self.pool.sharding(("batch", None)))
+
+  def _init_state(self):
+    return S.init_state(self.policy.cfg, self.num_slots, self.length, self.cache_dtype)
+
+  def _decode(self, stop_on_finish: bool):
     span = self._span(self._t + self.steps_per_sync)
-    fn = functools.partial(S.decode, self.policy, sampling, self.eos_ids, self.steps_per_sync, span,
-                           logits_sharding=self.pool.sharding(("batch", None)))
-    rng = jax.random.fold_in(self.rng, self._chunks)
-    self._chunks += 1
-    self._state, out = self._run(("decode", self.greedy, span), fn, self.params, self._state, self._live, rng,
-                                 np.bool_(stop_on_finish), host_outputs=True)
+    self._state, out = self._run(("decode", self.greedy, span), self._decode_fn(span), self.params, self._state,
+                                 self._live, np.bool_(stop_on_finish), host_outputs=True)
     out = to_host(out)
     steps = int(out.steps)
     self.decode_steps += steps
+    self.tokens_generated += int(out.emitted[:steps].sum())
     self._t += steps
     for slot in np.flatnonzero(self._live):
       seq = self._seqs[slot]
@@ -318,20 +362,35 @@ class Engine:
     ids, tokens, valid = encode_prompts(self.tokenizer, prompts)
     return np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), ids
 
+  def group_requests(self, prompts: list[str], group_size: int, rng, group_ids=None):
+    """A batch of prompt groups -> (one Request per prompt: id its position, key fold_in(rng, its
+    group id), so a group's samples do not depend on what else runs beside it; Batch, to
+    assemble the Rollout from their samples)."""
+    tokens, valid, ids = self.encode_prompts(prompts, group_size)
+    group_ids = np.arange(len(prompts)) if group_ids is None else np.asarray(group_ids)
+    keys = _group_keys(rng, group_ids)
+    requests = [Request(row, n=group_size, id=i, key=keys[i]) for i, row in enumerate(ids)]
+    return requests, Batch(tokens, valid, group_size, group_ids)
+
   def generate(self, prompts: list[str], group_size: int, rng, greedy=False, group_ids=None) -> Rollout:
     """group_size samples of each prompt, continuously batched; rows are prompt-major."""
     if self._queue or self._live.any():
       raise RuntimeError("engine: generate() needs an idle engine; drain submit()/poll() first")
-    tokens, valid, ids = self.encode_prompts(prompts, group_size)
-    n, c_len = tokens.shape[0], self.max_new_tokens
-    self.rng, self._chunks, self.greedy = rng, 0, greedy
+    requests, batch = self.group_requests(prompts, group_size, rng, group_ids)
+    self.greedy = greedy
     try:
-      self.submit([Request(row, n=group_size, id=i) for i, row in enumerate(ids)])
+      self.submit(requests)
       samples = []
-      while len(samples) < n:
+      while len(samples) < batch.rows:
         samples += self.poll()
     finally:
       self.greedy = False
+    return self.assemble(batch, samples)
+
+  def assemble(self, batch, samples: list) -> Rollout:
+    """The Rollout (prompt-major rows) of a Batch from its samples (request id = prompt position)."""
+    tokens, valid, group_size = batch.tokens, batch.valid, batch.group_size
+    n, c_len = tokens.shape[0], self.max_new_tokens
     completion = np.zeros((n, c_len), np.int32)
     mask = np.zeros((n, c_len), bool)
     logprobs = np.zeros((n, c_len), np.float32)
@@ -341,19 +400,45 @@ class Engine:
       row, k = s.request_id * group_size + s.index, len(s.tokens)
       completion[row, :k], mask[row, :k], logprobs[row, :k], versions[row, :k] = s.tokens, True, s.logprobs, s.versions
       truncated[row] = s.truncated
-    if group_ids is None:
-      group_ids = np.arange(len(prompts))
-    return Rollout(tokens, valid, completion, mask, logprobs, versions, np.repeat(np.asarray(group_ids), group_size),
+    return Rollout(tokens, valid, completion, mask, logprobs, versions, np.repeat(batch.group_ids, group_size),
                    truncated=truncated)
 
   def decode(self, rollout: Rollout) -> list[str]:
     return decode_completions(self.tokenizer, rollout)
 
   # ---- compiled programs ----------------------------------------------------------------------
-  def _run(self, key, fn, params, state, *args, host_outputs=False):
+  def warmup(self, prompt_lengths, group_size: int) -> float:
+    """Compiles now, before any weights arrive, every program a stream of group_size-sample
+    requests with prompts of these token lengths runs: each prefill bucket of up to
+    num_slots // group_size prompts at a time, each decode span, the recompute. A replica that
+    compiled mid-run would stall its share of the fleet for seconds. -> seconds spent."""
+    t0 = time.perf_counter()
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.policy.shapes(),
+                          self.param_shardings)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(self._init_state), self._state_shardings)
+    i32 = lambda *shape: np.zeros(shape, np.int32)
+    cap = pow2_bucket(self.max_prompt_len, 16)
+    p_bs = sorted({min(pow2_bucket(n, 16), cap) for n in prompt_lengths if 1 <= n <= self.max_prompt_len})
+    n_words = S.key_words()
+    for n in range(1, max(1, self.num_slots // group_size) + 1):
+      n_b, m_b = pow2_bucket(n), pow2_bucket(n * group_size)
+      for p_b in p_bs:
+        self._compile(("prefill", n_b, p_b, m_b), self._prefill_fn(), params, state, i32(n_b, p_b), i32(n_b), i32(m_b),
+                      i32(m_b), i32(m_b), np.zeros((m_b, n_words), np.uint32), np.int32(0))
+    first = self.max_prompt_len - 1 + self.steps_per_sync  # a call's last column, at the earliest (rewound ring)
+    spans = sorted({self._span(end) for end in range(first, self.length + 2)})
+    for span in spans:
+      self._compile(("decode", self.greedy, span), self._decode_fn(span), params, state, np.zeros(self.num_slots, bool),
+                    np.bool_(False), host_outputs=True)
+    if self.interrupt == "recompute":
+      self._compile(("recompute",), functools.partial(S.recompute, self.policy), params, state)
+    return time.perf_counter() - t0
+
+  def _compile(self, key, fn, params, state, *args, host_outputs=False):
     """fn(params, state, *args) -> state, or (state, a record for the host, replicated) with
-    host_outputs: compiled once per key (timed and counted), run on the pool with the state
-    donated, so the cache is updated in place."""
+    host_outputs: compiled once per key (timed and counted) for the pool, with the state donated
+    so the cache is updated in place. The arguments may be abstract (ShapeDtypeStruct)."""
     if key not in self._fns:
       t0 = time.perf_counter()
       replicated = self.pool.replicated()
@@ -363,4 +448,7 @@ class Engine:
       self._fns[key] = jitted.lower(params, state, *args).compile()
       self.compile_count += 1
       self.compile_seconds += time.perf_counter() - t0
-    return self._fns[key](params, state, *args)
+    return self._fns[key]
+
+  def _run(self, key, fn, params, state, *args, host_outputs=False):
+    return self._compile(key, fn, params, state, *args, host_outputs=host_outputs)(params, state, *args)

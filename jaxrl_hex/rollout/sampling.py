@@ -36,7 +36,9 @@ def top_p_cutoff(scaled, top_p: float):
 
 
 def sample(logits, rng, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
-  """logits [B, V] fp32 -> (tokens [B] int32, logprobs [B]). temperature 0 is greedy."""
+  """logits [B, V] fp32 -> (tokens [B] int32, logprobs [B]). temperature 0 is greedy.
+  rng: one key for the batch, or [B] keys, one per row (a row's draw then depends on its own key
+  only, not on which rows share the batch)."""
   if temperature == 0.0:
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -58,7 +60,7 @@ def sample(logits, rng, temperature: float, top_k: int = 0, top_p: float = 1.0, 
 
 
 def inverse_cdf_sample(logits, rng):
-  """logits [B, V] (-inf = excluded) -> tokens [B] int32 drawn from softmax(logits).
+  """logits [B, V] (-inf = excluded), rng one key or [B] keys -> tokens [B] int32 drawn from softmax(logits).
 
   One uniform per row against the running sum of exp(logits - max): the token is the first whose
   running sum exceeds u * total. A Gumbel-max draw (jax.random.categorical) needs V random numbers
@@ -66,5 +68,9 @@ def inverse_cdf_sample(logits, rng):
   CPU. Excluded tokens add 0 to the running sum, so they are never drawn."""
   e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
   running = jnp.cumsum(e, axis=-1)
-  u = jax.random.uniform(rng, (logits.shape[0], 1)) * running[:, -1:]
+  if rng.shape:
+    u = jax.vmap(jax.random.uniform)(rng)[:, None]
+  else:
+    u = jax.random.uniform(rng, (logits.shape[0], 1))
+  u = u * running[:, -1:]
   return jnp.minimum(jnp.sum(running <= u, axis=-1), logits.shape[-1] - 1).astype(jnp.int32)

@@ -43,6 +43,8 @@ class DecodeState:
   pos: jax.Array = _axes("batch")  # [S] int32: pending's position
   count: jax.Array = _axes("batch")  # [S] int32: completion tokens sampled
   max_new: jax.Array = _axes("batch")  # [S] int32: the slot's token budget
+  key: jax.Array = _axes("batch", None)  # [S, K] uint32: the slot's sample key (key data); its token c
+  # is drawn with fold_in(key, c), so a sample does not depend on which slot or batch it runs in
   t: jax.Array = _axes()  # [] int32: the ring column the next decode step writes (mod T)
 
 
@@ -69,14 +71,19 @@ class _Loop(typing.NamedTuple):
   logprobs: jax.Array  # [K, S] fp32
   emitted: jax.Array  # [K, S] bool
   flags: jax.Array  # [2] bool: (any slot live, any slot finished)
-  rng: jax.Array
+
+
+def key_words() -> int:
+  """K: the words of one PRNG key's data under the default implementation (2 for threefry)."""
+  return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape[-1]
 
 
 def init_state(cfg, slots: int, length: int, cache_dtype) -> DecodeState:
   zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
+  keys = zeros(slots, key_words(), dt=jnp.uint32)
   return DecodeState(cache=init_cache(cfg, slots, length, cache_dtype), valid=zeros(slots, length, dt=bool),
                      col_tok=zeros(slots, length), col_pos=zeros(slots, length), pending=zeros(slots), pos=zeros(slots),
-                     count=zeros(slots), max_new=zeros(slots), t=jnp.int32(0))
+                     count=zeros(slots), max_new=zeros(slots), key=keys, t=jnp.int32(0))
 
 
 def state_shardings(pool, cfg, slots: int, length: int) -> DecodeState:
@@ -86,11 +93,12 @@ def state_shardings(pool, cfg, slots: int, length: int) -> DecodeState:
   return DecodeState(cache=[layer] * cfg.n_layers, **{k: pool.sharding(axes) for k, axes in _FIELD_AXES.items()})
 
 
-def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, max_new, t) -> DecodeState:
+def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, max_new, keys, t) -> DecodeState:
   """Caches prompts once and hands each to its slots (shared group prefill).
 
   tokens [n, Pb] right-padded prompts with lengths [n]; assignment a puts prompt src[a] into
-  slot slot_ids[a] (slot_ids == S marks padding, dropped) with a budget of max_new[a] tokens.
+  slot slot_ids[a] (slot_ids == S marks padding, dropped) with a budget of max_new[a] tokens
+  and the sample key keys[a] [K] (key data).
   t: the ring column the next decode step writes (the engine rewinds it when no slot is live).
   The cache rows are rebuilt by a gather over the prompt KV and a select, not a scatter
   (XLA's scatter runs element by element on CPU).
@@ -123,14 +131,15 @@ def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, 
       for dest, prompt in zip(state.cache, kv)
   ]
   budget = jnp.zeros((slots,), jnp.int32).at[slot_ids].set(max_new, mode="drop")
+  pending, pos = per_slot(state.pending, tokens[row, cached_len]), per_slot(state.pos, cached_len)
+  count, max_new = per_slot(state.count, 0), per_slot(state.max_new, budget)
   return dataclasses.replace(state, cache=cache, valid=jnp.where(filled[:, None], in_prompt, state.valid),
-                             col_tok=put(state.col_tok, tokens), col_pos=put(state.col_pos, positions),
-                             pending=per_slot(state.pending, tokens[row,
-                                                                    cached_len]), pos=per_slot(state.pos, cached_len),
-                             count=per_slot(state.count, 0), max_new=per_slot(state.max_new, budget), t=t)
+                             col_tok=put(state.col_tok, tokens), col_pos=put(state.col_pos, positions), pending=pending,
+                             pos=pos, count=count, max_new=max_new, key=state.key.at[slot_ids].set(keys,
+                                                                                                   mode="drop"), t=t)
 
 
-def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, rng, stop_on_finish,
+def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, stop_on_finish,
            logits_sharding=None) -> tuple[DecodeState, Decoded]:
   """Up to max_steps decode steps over all slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
@@ -151,7 +160,6 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
 
   def body(loop):
     st, live, i = loop.state, loop.live, loop.step
-    rng, step_rng = jax.random.split(loop.rng)
     col = st.t % length
     valid = st.valid.at[:, col].set(True)
     col_pos = st.col_pos.at[:, col].set(st.pos)
@@ -160,7 +168,8 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
                                  key_positions=col_pos, rope_tables=tables)
     logits = logits[:, -1] if logits_sharding is None else jax.lax.with_sharding_constraint(
         logits[:, -1], logits_sharding)
-    token, logprob = sample(logits, step_rng, **sampling)
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(st.key), st.count)  # [S]: token count of slot s
+    token, logprob = sample(logits, keys, **sampling)
     count = st.count + live
     finished = live & (jnp.isin(token, eos) | (count >= st.max_new))
     st = dataclasses.replace(st, cache=cache, valid=valid, col_tok=st.col_tok.at[:, col].set(st.pending),
@@ -169,7 +178,7 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
     # (any live, any finished) in one reduction: one collective per step over the batch axes
     flags = jnp.any(jnp.stack([live_next, finished]), axis=1)
     return _Loop(i + 1, st, live_next, loop.tokens.at[i].set(token), loop.logprobs.at[i].set(logprob),
-                 loop.emitted.at[i].set(live), flags, rng)
+                 loop.emitted.at[i].set(live), flags)
 
   def cond(loop):
     any_live, any_finished = loop.flags
@@ -179,7 +188,7 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
   loop = jax.lax.while_loop(
       cond, body,
       _Loop(jnp.int32(0), state, live, rows(jnp.int32), rows(jnp.float32), rows(bool),
-            jnp.stack([jnp.any(live), jnp.bool_(False)]), rng))
+            jnp.stack([jnp.any(live), jnp.bool_(False)])))
   state = _widen(loop.state, full) if narrowed else loop.state
   return state, Decoded(loop.live, loop.tokens, loop.logprobs, loop.emitted, loop.step)
 

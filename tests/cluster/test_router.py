@@ -46,7 +46,9 @@ class Fleet:
       if lost:
         self.router.give_back(chunk)
       else:
-        self.router.finish(chunk, [g for g in chunk.groups], len(chunk.groups) * TOKENS)
+        tokens = len(chunk.groups) * TOKENS
+        self.router.measure(chunk.replica, tokens, tokens / self.speeds[chunk.replica])
+        self.router.finish(chunk, [g for g in chunk.groups], tokens)
       for k in list(admitted):
         try:
           self.results[k], self.stats[k] = self.router.wait(k, timeout=0)
@@ -112,6 +114,7 @@ def test_unmeasured_replicas_keep_their_prior_in_measured_units():
   chunk = router.next_chunk(1, timeout=0)
   assert len(chunk.groups) == 1  # a quarter of the batch
   router.finish(chunk, None, tokens=100)
+  router.measure(1, tokens=100, seconds=1.0)
   assert router.shares() == pytest.approx([0.75, 0.25])  # replica 0 unmeasured: prior scaled to replica 1's rate
 
 
@@ -161,13 +164,28 @@ def test_threads_fail_and_close_wake_every_waiter():
     assert not t.is_alive()
 
 
-def test_a_warm_up_chunk_and_overheads_are_no_measure_of_speed():
+def test_a_replica_holding_several_chunks_tops_up_within_its_room_and_is_busy_once():
   clock = [0.0]
   router = Router(2, clock=lambda: clock[0])
-  router.add_batch(0, list(range(4)))
-  a, b = router.next_chunk(0, timeout=0), router.next_chunk(1, timeout=0)
-  clock[0] = 10.0  # both compiled for 9 s
-  router.finish(a, None, tokens=100, measure=False)
-  router.finish(b, None, tokens=100, overhead_s=9.0)
-  assert router.rate == [None, pytest.approx(100.0)]
-  assert router.stats[0]["busy_s"] == router.stats[1]["busy_s"] == 10.0
+  router.add_batch(0, list(range(6)))  # equal shares: 3 groups each
+  a = router.next_chunk(0, most=2, timeout=0)  # its engine has room for 2
+  clock[0] = 1.0
+  b = router.next_chunk(0, most=5, timeout=0)  # topping up while it holds a: the rest of its allotment
+  assert (len(a.groups), len(b.groups)) == (2, 1) and a.id != b.id
+  clock[0] = 4.0
+  router.finish(a, None, tokens=20)
+  clock[0] = 5.0
+  router.finish(b, None, tokens=10)
+  assert router.stats[0]["busy_s"] == 5.0 and router.stats[0]["idle_s"] == 0.0  # [0, 5] once, not 4 + 4
+  router.measure(0, tokens=30, seconds=0.0)  # a call that only compiled: no measure
+  router.measure(1, tokens=0, seconds=2.0)
+  assert router.rate == [None, None]
+  router.measure(0, tokens=30, seconds=5.0)
+  router.measure(0, tokens=60, seconds=5.0)
+  assert router.rate == [pytest.approx(0.5 * 12 + 0.5 * 6), None]
+  rest = router.next_chunk(1, timeout=0)
+  clock[0] = 7.0
+  router.finish(rest, None, tokens=30)
+  results, stats = router.wait(0, timeout=0)
+  assert [r["busy_s"] for r in stats["replicas"]] == [5.0, 2.0]
+  assert [r["idle_s"] for r in stats["replicas"]] == [2.0, 5.0]

@@ -65,3 +65,16 @@ def test_inverse_cdf_draw_follows_softmax_and_never_picks_excluded_tokens():
   pair = np.asarray(inverse_cdf_sample(jnp.tile(row, (2, 1)), jax.random.key(7)))
   many = [np.asarray(inverse_cdf_sample(jnp.tile(row, (2, 1)), jax.random.key(s))) for s in range(40)]
   assert len(pair) == 2 and any(a != b for a, b in many)
+
+
+def test_per_row_keys_make_a_row_draw_independent_of_its_batch():
+  from jaxrl_hex.rollout.sampling import inverse_cdf_sample
+  keys = jax.random.split(jax.random.key(8), 64)
+  row = jnp.array([0.5, 1.0, 0.0, 2.0])
+  alone = [int(inverse_cdf_sample(row[None], keys[i:i + 1])[0]) for i in range(8)]
+  together = np.asarray(inverse_cdf_sample(jnp.tile(row, (64, 1)), keys))
+  assert together[:8].tolist() == alone  # row i's draw is its key's, whatever rows share the batch
+  freq = np.bincount(
+      np.asarray(inverse_cdf_sample(jnp.tile(row, (20000, 1)), jax.random.split(jax.random.key(9), 20000))),
+      minlength=4) / 20000
+  np.testing.assert_allclose(freq, jax.nn.softmax(row), atol=0.012)
