@@ -14,6 +14,7 @@ commands:
   sft       supervised training on a task's answers
   plan      heterogeneity-aware split of a cluster into train and rollout pools
   simulate  discrete-event simulation of a plan's async loop
+  calibrate fit the planner's cost model to runs on your cluster: WORKDIR... --out fitted.yaml
   generate  sample from a run's checkpoint for a JSONL file of prompts (continuous batching)
   report    figures and a markdown summary of runs: jaxrl-hex report WORKDIR [WORKDIR...]
   launch    run a command on every worker of a TPU pod slice, or as a job on a Ray cluster
@@ -32,6 +33,7 @@ COMMANDS = {
     "sft": "jaxrl_hex.commands:sft_main",
     "plan": "jaxrl_hex.planner.command:plan_main",
     "simulate": "jaxrl_hex.planner.command:simulate_main",
+    "calibrate": "jaxrl_hex.calibration:main",
     "generate": "jaxrl_hex.generate:main",
     "report": "jaxrl_hex.report:main",
     "launch": "jaxrl_hex.cluster.launch:main",

@@ -268,7 +268,8 @@ class RayRolloutSide:
     self.router = Router(self.replicas, shares, pieces=pieces)
     self.slots = [_slots(rt.cfg, share, s, self.replicas) for share, s in zip(self.router.prior, self.replica_specs)]
     self.room = [n // rt.cfg.rollout.group_size + 1 for n in self.slots]  # groups a replica holds
-    self.decoded = [{"tokens": 0, "slot_steps": 0} for _ in range(self.replicas)]  # occupancy = their ratio
+    # per replica since the start: tokens, slot-steps (occupancy = their ratio) and generation seconds
+    self.decoded = [{"tokens": 0, "slot_steps": 0, "gen_s": 0.0} for _ in range(self.replicas)]
     self.workers = [cls.remote(*self._args, i, self.slots[i]) for i, cls in enumerate(self._cls)]
     try:
       ray.get([w.ready.remote() for w in self.workers])
@@ -282,7 +283,6 @@ class RayRolloutSide:
     self.restarts = 0
     self.on_restart = None
     self._offered = None  # newest handle offered: a chunk (or a replacement) starts from it
-    self._warm = set()  # workers past their first chunk
     self._starting = set()  # replicas whose replacement is starting
     self._closing = False
     self._spans = _SpanLog(workdir)
@@ -305,7 +305,6 @@ class RayRolloutSide:
           raise RuntimeError(f"rollout workers were lost {self.restarts} times (cluster.max_restarts="
                              f"{self.max_restarts}); see the Ray logs for why they die")
       self._ray.kill(worker, no_restart=True)
-      self._warm.discard(worker)
       self.workers[i] = self._cls[i].remote(*self._args, i, self.slots[i])
       self._starting.add(i)
       try:
@@ -388,14 +387,14 @@ class RayRolloutSide:
         self._spans.span("receive", start, end, version=out["version"], bytes=out["receive_bytes"], **where)
       for _, receives, _ in held.values():
         receives.extend(out["receives"])
-      self.decoded[i]["tokens"] += out["tokens"]
-      self.decoded[i]["slot_steps"] += out["steps"] * self.slots[i]
-      if worker in self._warm:  # a fresh worker's first call pays its warm-up: no measure of speed
-        # speed = slot-steps/s, what the replica could generate full: a decode step costs the same
-        # however many slots are live, so tokens/s would rate an underfed replica slow and feed it less
-        receive_s = sum(end - start for start, end in out["receives"])
-        self.router.measure(i, out["steps"] * self.slots[i], out["seconds"] - out["compile_s"] - receive_s)
-      self._warm.add(worker)
+      # speed = slot-steps/s, what the replica could generate full: a decode step costs the same
+      # however many slots are live, so tokens/s would rate an underfed replica slow and feed it less.
+      # Compiles (none after warmup) and weight receives are no generation.
+      gen_s = out["seconds"] - out["compile_s"] - sum(end - start for start, end in out["receives"])
+      slot_steps = out["steps"] * self.slots[i]
+      self.router.measure(i, slot_steps, gen_s)
+      for key, value in (("tokens", out["tokens"]), ("slot_steps", slot_steps), ("gen_s", gen_s)):
+        self.decoded[i][key] += value
       for cid, rollout in out["done"]:
         chunk, receives, queued = held.pop(cid)
         self.router.finish(chunk, {"rollout": rollout, "receives": receives}, rollout.num_tokens)
@@ -423,6 +422,7 @@ class RayRolloutSide:
     now = time.time()
     for r in stats["replicas"]:
       r["group"] = self.group_of[r["replica"]]
+      r["slots"], r["decoded"] = self.slots[r["replica"]], dict(self.decoded[r["replica"]])
     self._spans.span("route", now - stats["seconds"], now, batch=batch_index, replicas=stats["replicas"],
                      shares=self.router.shares())
     return rollout, span

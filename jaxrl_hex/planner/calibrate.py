@@ -112,7 +112,8 @@ def _fit(parts, per_unit, measured, target, effs, overhead):
   """Least squares on relative error, non-negative: target = sum_i parts_i / (eff_i * measured)
   + overhead * per_unit / measured. A part the records cannot separate from the others (too few
   distinct operating points) or do not show (its 1/eff fits to 0) keeps its catalog factor;
-  with one distinct point only the first efficiency is fitted, at the catalog's overhead.
+  with one distinct point only the first efficiency is fitted, at the catalog's overhead, or,
+  where that overhead alone exceeds the measured time, the overhead at the catalog's efficiency.
   -> (efficiencies, overhead)."""
   effs, free = list(effs), list(range(len(effs)))
   while free:
@@ -125,7 +126,11 @@ def _fit(parts, per_unit, measured, target, effs, overhead):
       continue
     else:
       fitted_overhead = overhead
-      inv = [max(np.mean((target - known - overhead * per_unit / measured) * measured / parts[:, free[0]]), 0.0)]
+      inv = [np.mean((target - known - overhead * per_unit / measured) * measured / parts[:, free[0]])]
+      if inv[0] <= 0:  # the catalog's overhead alone is more than was measured: keep the efficiency, fit that
+        inv = [1 / effs[free[0]]]
+        fitted_overhead = max(
+            float(np.mean((target - known - parts[:, free[0]] * inv[0] / measured) * measured / per_unit)), 0.0)
     if all(v > 0 for v in inv) or len(free) == 1:
       for i, v in zip(free, inv):
         effs[i] = float(1 / max(v, 1e-9))

@@ -254,6 +254,23 @@ def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers
     assert {s["group"] for s in spans if s["kind"] == "receive"} == {0, 1}
     assert all(s["bytes"] > 0 for s in spans if s["kind"] == "receive")
 
+    # the planner's calibration reads each group's decode step time from the run's route spans
+    from jaxrl_hex.calibration import run_records
+    from jaxrl_hex.config import write_run_config
+    write_run_config(cfg, workdir)
+    decoding = [r for r in run_records(workdir) if r["pool"] == "rollout"]
+    assert [(r["mesh"], r["devices"], r["batch"]) for r in decoding] == [({
+        "data": 1,
+        "tensor": 2
+    }, 2, rollout.slots[0]), ({
+        "data": 2,
+        "tensor": 1
+    }, 2, rollout.slots[1])]
+    last = {r["replica"]: r["decoded"] for r in routes[-1]["replicas"]}
+    assert all(last[i]["slot_steps"] > 0 and 0 < last[i]["tokens"] <= last[i]["slot_steps"] for i in range(3))
+    step_s = last[0]["gen_s"] / (last[0]["slot_steps"] / rollout.slots[0])
+    assert decoding[0]["decode_tokens_per_s"] == pytest.approx(rollout.slots[0] / step_s)
+
     # the newest weights onto every layout: equal to the trainer's, value for value
     handle = train.publish()
     sent = ray.get([w.fetch_params.remote() for w in train.workers])[0]
