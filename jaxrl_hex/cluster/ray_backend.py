@@ -241,8 +241,9 @@ class RayRolloutSide:
   layout, device type and pinning), fed by a Router: generate() hands a batch's prompt groups
   to the router and returns once every group is done. One thread per replica keeps its engine
   full: each call on the worker queues the chunks its free slots have room for (plus one group,
-  so slots freed at a hand-back refill at once) and runs one hand-back of the engine. Several
-  batches may be in flight (up to `replicas`, by the gate) and share a replica's decode steps.
+  so slots freed at a hand-back refill at once) and runs hand-backs until a chunk finishes or
+  slots would idle. Several batches may be in flight (up to `replicas`, by the gate) and share
+  a replica's decode steps.
   `pieces`: each replica's share of a batch is handed out in that many chunks, so part of every
   share stays stealable by a replica that runs ahead."""
 
