@@ -34,9 +34,9 @@ def _median(rows, key):
 
 def run_records(workdir: str) -> list:
   """Calibration records of one run: its train step, and its decoding per rollout replica group
-  (or for its one rollout runtime). The first train step (compiles) is left out. Decoding is
-  timed as the run saw it (prefill and partly filled slots included), which is what a plan of
-  the same workload will meet."""
+  (or for its one rollout runtime). The first train step (compiles) is left out. One rollout
+  runtime is timed by its batches' generation as the run saw it (prefill and partly filled
+  slots included); a fleet's groups by their replicas' decode step time."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path) or not os.path.exists(os.path.join(workdir, "config.json")):
     raise UserError(f"calibrate: {workdir} has no metrics.jsonl and config.json; pass the workdir of a train run")
@@ -45,7 +45,7 @@ def run_records(workdir: str) -> list:
   if not rows:
     raise UserError(f"calibrate: {workdir} logged fewer than 2 train steps; let the run go longer")
   mesh_file = load_mesh(cfg)
-  model = {k: v for k, v in cfg.model.to_dict().items()}
+  model = cfg.model.to_dict()
   out = []
   train = mesh_file.pools["train"]
   tokens = [r["train_tokens_per_s"] * r["train_seconds"] for r in rows]
