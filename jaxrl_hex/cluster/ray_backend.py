@@ -243,11 +243,9 @@ class RayRolloutSide:
   full: each call on the worker queues the chunks its free slots have room for (plus one group,
   so slots freed at a hand-back refill at once) and runs hand-backs until a chunk finishes or
   slots would idle. Several batches may be in flight (up to `replicas`, by the gate) and share
-  a replica's decode steps.
-  `pieces`: each replica's share of a batch is handed out in that many chunks, so part of every
-  share stays stealable by a replica that runs ahead."""
+  a replica's decode steps."""
 
-  def __init__(self, rt, workdir, pieces=1):
+  def __init__(self, rt, workdir):
     import ray
 
     self._ray = ray
@@ -265,8 +263,7 @@ class RayRolloutSide:
         _actor(RolloutWorker, s, max_concurrency=3, **(_group_options(s, rt.mesh_file.platform) if groups else {}))
         for s in self.replica_specs
     ]
-    pieces = 1 if self.replicas == 1 else pieces
-    self.router = Router(self.replicas, shares, pieces=pieces)
+    self.router = Router(self.replicas, shares)
     self.slots = [_slots(rt.cfg, share, s, self.replicas) for share, s in zip(self.router.prior, self.replica_specs)]
     self.room = [n // rt.cfg.rollout.group_size + 1 for n in self.slots]  # groups a replica holds
     # per replica since the start: tokens, slot-steps (occupancy = their ratio) and generation seconds
