@@ -1,10 +1,14 @@
 """Planner benchmark: planning time at 64 devices, optimality vs exhaustive search, the AReaL-Hex
-setting, and (given measured-run JSON) calibration with prediction error.
+setting and its fidelity to the paper's published figures, and (given measured-run JSON)
+calibration with prediction error.
 
-  python benchmarks/planner.py [--measured runs/*.json] [--overlay-out cpu-calibrated.yaml]
-                               [--out benchmarks/out/planner.json]
+  python benchmarks/planner.py [--part all|large|exhaustive|areal|fidelity] [--measured runs/*.json]
+                               [--overlay-out cpu-calibrated.yaml] [--out benchmarks/out/planner.json]
+
+--part fidelity prints the docs/planner.md table (tests/planner/test_fidelity.py keeps them equal).
 """
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -92,14 +96,84 @@ def bench_exhaustive(catalog):
   return rows
 
 
+PUBLISHED = REPO / "benchmarks" / "published_areal_hex.yaml"
+# The cluster files' 64 prompts x 8 = 512 sequences, and 48 x 8 = 384, at which all 24 H800 can train
+# (512 splits only in powers of two, and no 24-chip layout does): the paper's batch was not readable.
+FIDELITY_PROMPTS = (64, 48)
+
+
+def areal_plans(model, prompts=None) -> dict:
+  """{cluster name: Plan} for meshes/cluster-areal-{hex,h800,h20}.yaml, at `prompts` prompts per step
+  (default: the files')."""
+  cfg, plans = load_model(model)[1], {}
+  for name in ("hex", "h800", "h20"):
+    c = al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml")
+    if prompts:
+      c = dataclasses.replace(c, workload=dataclasses.replace(c.workload, batch_size=prompts))
+    plans[name] = al.plan(cfg, c, name=model)
+  return plans
+
+
+def _published_figures(plans) -> dict:
+  """The planner's value of each published figure for one model's three plans."""
+  mix, homog = plans["hex"], (plans["h800"], plans["h20"])
+  sync_s = mix.train.send_s + max(g.option.recv_s for g in mix.groups)
+  return {
+      "equal_budget_throughput": mix.gen_tokens_per_s / max(p.gen_tokens_per_s for p in homog),
+      "equal_throughput_cost": min(p.usd_per_mtok for p in homog) / mix.usd_per_mtok,
+      "weight_sync_share": sync_s / mix.step_s,
+  }
+
+
+def _error(figure, value) -> float:
+  """Relative distance to the published range (0 inside it), or to the published value; a weight-sync
+  share the planner predicts at the bandwidth bound is scaled by the factor the paper measured over it."""
+  if "range" in figure:
+    lo, hi = figure["range"]
+    return 0.0 if lo <= value <= hi else (value - lo) / lo if value < lo else (value - hi) / hi
+  return value * figure.get("bound_factor", 1.0) / figure["value"] - 1
+
+
+def fidelity(published_path=PUBLISHED) -> dict:
+  """Every published figure for every model and batch: the planner's value and its error."""
+  published = yaml.safe_load(pathlib.Path(published_path).read_text())
+  rows = []
+  for prompts in FIDELITY_PROMPTS:
+    for model in published["models"]:
+      for name, value in _published_figures(areal_plans(model, prompts)).items():
+        rows.append({
+            "figure": name,
+            "model": model,
+            "prompts": prompts,
+            "predicted": value,
+            "error": _error(published["figures"][name], value)
+        })
+  return {"published": published["figures"], "rows": rows}
+
+
+def fidelity_table(result) -> str:
+  """The docs/planner.md table: a row per figure and model, a column per batch."""
+  group = al.load_cluster(REPO / "meshes/cluster-areal-hex.yaml").workload.group_size
+  head = ["figure", "published", "model"] + [f"{n * group} sequences" for n in FIDELITY_PROMPTS]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for name, figure in result["published"].items():
+    share = name == "weight_sync_share"
+    shown = (f"{figure['value']:.1%} (~{figure['bound_factor']:g}x the bound)"
+             if share else f"{figure['range'][0]:.2f}-{figure['range'][1]:.2f}x")
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+      cells = [name.replace("_", " "), shown, model]
+      for n in FIDELITY_PROMPTS:
+        r = next(r for r in result["rows"] if (r["figure"], r["model"], r["prompts"]) == (name, model, n))
+        value = f"{r['predicted']:.2%} at the bound" if share else f"{r['predicted']:.2f}x"
+        cells.append(f"{value} ({r['error']:+.0%})")
+      lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def bench_areal():
   rows = {}
   for model in ("qwen2_1_5b", "qwen2_7b", "qwen2_14b"):
-    cfg = load_model(model)[1]
-    plans = {
-        name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml"))
-        for name in ("hex", "h800", "h20")
-    }
+    plans = areal_plans(model)
     best_homog = max(plans["h800"].gen_tokens_per_s, plans["h20"].gen_tokens_per_s)
     rows[model] = {
         "24xH800+24xH20": summary(plans["hex"]),
@@ -124,22 +198,30 @@ def bench_calibration(paths, catalog, overlay_out):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--part", choices=("all", "large", "exhaustive", "areal", "fidelity"), default="all")
   ap.add_argument("--measured", nargs="*", default=[], help="measured-run JSON files (see planner/calibrate.py)")
   ap.add_argument("--overlay-out", help="write the fitted catalog overlay here (use with --catalog)")
   ap.add_argument("--out", default="benchmarks/out/planner.json")
   args = ap.parse_args(argv)
-  catalog = load_catalog()
-  result = {"large": bench_large(catalog)}
-  print(f"64 devices {LARGE}, qwen2_7b: throughput plan {result['large']['throughput']['seconds']} s, "
-        f"cost plan {result['large']['cost_with_floor']['seconds']} s")
-  result["exhaustive"] = bench_exhaustive(catalog)
-  matched = sum(r["match"] for r in result["exhaustive"])
-  print(f"planner == exhaustive optimum on {matched}/{len(result['exhaustive'])} small-cluster cases")
-  result["areal_hex"] = bench_areal()
-  for model, row in result["areal_hex"].items():
-    print(f"AReaL-Hex {model}: mix {row['24xH800+24xH20']['gen_tokens_per_s']:,.0f} tok/s, "
-          f"32 H800 {row['32xH800']['gen_tokens_per_s']:,.0f}, 88 H20 {row['88xH20']['gen_tokens_per_s']:,.0f} "
-          f"({row['mix_over_best_homogeneous']}x best homogeneous)")
+  catalog, parts = load_catalog(), {"large", "exhaustive", "areal", "fidelity"} if args.part == "all" else {args.part}
+  result = {}
+  if "large" in parts:
+    result["large"] = bench_large(catalog)
+    print(f"64 devices {LARGE}, qwen2_7b: throughput plan {result['large']['throughput']['seconds']} s, "
+          f"cost plan {result['large']['cost_with_floor']['seconds']} s")
+  if "exhaustive" in parts:
+    result["exhaustive"] = bench_exhaustive(catalog)
+    matched = sum(r["match"] for r in result["exhaustive"])
+    print(f"planner == exhaustive optimum on {matched}/{len(result['exhaustive'])} small-cluster cases")
+  if "areal" in parts:
+    result["areal_hex"] = bench_areal()
+    for model, row in result["areal_hex"].items():
+      print(f"AReaL-Hex {model}: mix {row['24xH800+24xH20']['gen_tokens_per_s']:,.0f} tok/s, "
+            f"32 H800 {row['32xH800']['gen_tokens_per_s']:,.0f}, 88 H20 {row['88xH20']['gen_tokens_per_s']:,.0f} "
+            f"({row['mix_over_best_homogeneous']}x best homogeneous)")
+  if "fidelity" in parts:
+    result["fidelity"] = fidelity()
+    print(fidelity_table(result["fidelity"]))
   if args.measured:
     result["calibration"] = bench_calibration(args.measured, catalog, args.overlay_out)
     for r in result["calibration"]["records"]:

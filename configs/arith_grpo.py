@@ -11,7 +11,7 @@ def get_config():
   cfg = base_config()
   cfg.task = "arith"
   cfg.task_args = ml_collections.ConfigDict({"digits": 2, "eval_size": 256})
-  cfg.model = ml_collections.ConfigDict(
+  cfg.model.update(  # over every model field's default, so any of them can be set on the command line
       dict(vocab_size=16, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=256,
            tie_embeddings=True))
   return cfg

@@ -7,7 +7,8 @@ the factors of each device type are fitted to them, and the fitted catalog overl
 for `jaxrl-hex plan --catalog`. Runs passed with --held-out are scored, not fitted: their error
 after the fit is the planner's error on a workload it has not seen.
 
-  jaxrl-hex calibrate runs/a runs/b --held-out runs/c --out fitted.yaml [--measured extra.json]
+  jaxrl-hex calibrate runs/a runs/b --held-out runs/c --out fitted.yaml [--cluster meshes/cluster-X.yaml]
+                     [--catalog overlay.yaml] [--measured extra.json]
 """
 import json
 import os
@@ -18,8 +19,9 @@ import yaml
 from jaxrl_hex import arguments
 from jaxrl_hex.config import read_run_config
 from jaxrl_hex.errors import UserError
+from jaxrl_hex.meshes import ReplicaGroup
 from jaxrl_hex.metrics import read_jsonl
-from jaxrl_hex.planner import PlanError, calibrate as cal
+from jaxrl_hex.planner import PlanError, allocate, calibrate as cal
 from jaxrl_hex.planner.catalog import load_catalog
 from jaxrl_hex.runtime import load_mesh
 from jaxrl_hex.tasks import load_task
@@ -33,10 +35,11 @@ def _median(rows, key):
 
 
 def run_records(workdir: str) -> list:
-  """Calibration records of one run: its train step, and its decoding per rollout replica group
-  (or for its one rollout runtime). The first train step (compiles) is left out. One rollout
-  runtime is timed by its batches' generation as the run saw it (prefill and partly filled
-  slots included); a fleet's groups by their replicas' decode step time."""
+  """Calibration records of one run: its train step, and its decoding per rollout replica group.
+  The first train step (compiles) is left out. On the Ray backend (route spans) a group is timed
+  by its replicas' decode step time (the decode programs alone, as the cost model's step is);
+  a local run's one rollout runtime by its batches' generation as the run saw it (prefill and
+  partly filled slots included)."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path) or not os.path.exists(os.path.join(workdir, "config.json")):
     raise UserError(f"calibrate: {workdir} has no metrics.jsonl and config.json; pass the workdir of a train run")
@@ -67,19 +70,21 @@ def run_records(workdir: str) -> list:
   prompt_len = float(np.mean([len(task.tokenizer.encode(p["prompt"])) + 1 for p in prompts]))
   context = prompt_len + _median(rows, "response_length_mean") / 2  # mean length while decoding
   rollout = mesh_file.pools["rollout"]
-  if rollout.groups:  # a Ray fleet: per group, its replicas' decode step time (route spans)
-    last = {}
-    for span in read_jsonl(os.path.join(workdir, "spans.jsonl")):
-      if span["kind"] == "route":
-        for rep in span["replicas"]:
-          last[rep["replica"]] = rep  # its "decoded" counts since the start: the last one has them all
-    for gi, g in enumerate(rollout.groups):
+  last = {}  # per replica of a Ray rollout side, its "decoded" counts since the start (the last route span)
+  spans = os.path.join(workdir, "spans.jsonl")
+  for span in read_jsonl(spans) if os.path.exists(spans) else []:
+    if span["kind"] == "route":
+      for rep in span["replicas"]:
+        last[rep["replica"]] = rep
+  if last:  # Ray: per replica group (one mesh's replicas are one group), its replicas' decode step time
+    groups = rollout.groups or [ReplicaGroup(rollout.device_type, rollout.replicas, dict(rollout.axes))]
+    for gi, g in enumerate(groups):
       reps = [rep for rep in last.values() if rep["group"] == gi and rep["decoded"]["slot_steps"]]
       if not reps:
         continue
       slots = reps[0]["slots"]
       steps = sum(rep["decoded"]["slot_steps"] for rep in reps) / slots
-      step_s = sum(rep["decoded"]["gen_s"] for rep in reps) / steps
+      step_s = sum(rep["decoded"]["decode_s"] for rep in reps) / steps
       ways = g.axes.get("data", 1)  # data replicas inside one replica (the calibrate record's unit)
       out.append({
           "pool": "rollout",
@@ -114,10 +119,11 @@ def run_records(workdir: str) -> list:
   return out
 
 
-def calibrate_runs(workdirs, held_out=(), measured=(), catalog_path=None) -> dict:
+def calibrate_runs(workdirs, held_out=(), measured=(), catalog_path=None, cluster_path=None) -> dict:
   """Fit on the records of `workdirs` (+ measured-record files), score `held_out` runs' records
-  -> {overlay, fitted: [per-record errors], held_out: [per-record errors]}."""
-  catalog = load_catalog(catalog_path)
+  -> {overlay, fitted: [per-record errors], held_out: [per-record errors]}. The catalog is the
+  built-in one, then the cluster file's own (its device types), then `catalog_path`."""
+  catalog = (allocate.load_cluster(cluster_path, catalog_path).catalog if cluster_path else load_catalog(catalog_path))
   fit = [rec for w in workdirs for rec in run_records(w)] + cal.load_measurements(measured)
   scored = [rec for w in held_out for rec in run_records(w)]
   overlay, report = cal.calibrate(fit, catalog)
@@ -141,7 +147,7 @@ def _print(title, rows):
 
 def _calibrate(args):
   try:
-    result = calibrate_runs(args.workdirs, args.held_out, args.measured, args.catalog)
+    result = calibrate_runs(args.workdirs, args.held_out, args.measured, args.catalog, args.cluster)
   except PlanError as e:
     raise UserError(f"calibrate: {e}") from None
   with open(args.out, "w") as f:
@@ -164,6 +170,9 @@ def main(argv) -> int:
   ap.add_argument("--measured", nargs="*", default=[], metavar="FILE",
                   help="extra measured-record JSON files (planner/calibrate.py's format)")
   ap.add_argument("--catalog", help="a catalog overlay to start from (YAML, the catalog's shape)")
+  ap.add_argument(
+      "--cluster", help="the cluster file the runs' plan came from: its own catalog entries (and "
+      "--catalog on top) are the starting point")
   ap.add_argument("--out", required=True, help="where to write the fitted catalog overlay (YAML)")
   ap.add_argument("--report", help="also write every record's error before and after as JSON here")
   return arguments.run(ap, _calibrate, argv)

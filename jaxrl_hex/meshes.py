@@ -35,6 +35,7 @@ DEFAULT_RULES = {
     "head_dim": (),
     "norm": (),
     "length": (),
+    "layers": (),  # the leading axis of scanned layers' stacked params and KV cache (model.scan_layers)
 }
 # A mesh file's `rules:` may set a group at once: `embed` is every model-dimension name above.
 RULE_GROUPS = {

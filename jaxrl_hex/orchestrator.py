@@ -69,14 +69,14 @@ class Orchestrator:
 
   def _generate_scored(self, records, index, handle, generated=None):
     group = self.cfg.rollout.group_size
-    rollout, receive_span = self.rollout.generate(records, group, self.cfg.seed, index, handle)
+    rollout, receive_span, routed = self.rollout.generate(records, group, self.cfg.seed, index, handle)
     t1 = time.time()
     if generated is not None:
       generated()  # the replica takes the next batch while this one is scored
     completions = decode_completions(self.rt.tokenizer, rollout)
     rollout.rewards = self.scorer([r["prompt"] for r in records for _ in range(group)], completions,
                                   [r["answer"] for r in records for _ in range(group)])
-    return rollout, receive_span, t1
+    return rollout, receive_span, routed, t1
 
   def _produce(self, k, records, data_state, handle, slots):
     released = False
@@ -90,8 +90,8 @@ class Orchestrator:
     try:
       t0 = time.time()
       # dynamic sampling may generate again for this batch: it keeps the replica until done
-      rollout, receive_span, t1 = self._generate_scored(records, k, handle,
-                                                        None if self.cfg.algo.dynamic_sampling else free_replica)
+      rollout, receive_span, routed, t1 = self._generate_scored(
+          records, k, handle, None if self.cfg.algo.dynamic_sampling else free_replica)
       stats = {}
       if self.cfg.algo.dynamic_sampling:  # DAPO: draw more prompts until the batch has enough informative groups
         groups = GroupFilter(self.cfg.rollout.prompts_per_step, self.cfg.algo.dynamic_sampling_max_rounds)
@@ -107,7 +107,7 @@ class Orchestrator:
         self.recorder.span("rollout", "sync", *receive_span, version=handle.version)
       self.recorder.span("rollout", "generate", t0, t1, batch=k, version=int(rollout.oldest_versions().min()))
       self.recorder.span("rollout", "reward", t1, t2, batch=k)
-      stats = {"rollout_tokens_per_s": rollout.num_tokens / max(t1 - t0, 1e-9), **stats}
+      stats = {"rollout_tokens_per_s": rollout.num_tokens / max(t1 - t0, 1e-9), **routed, **stats}
       self.buffer.put(Item(k, rollout, data_state, stats))
     except Closed:
       pass

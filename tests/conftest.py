@@ -1,7 +1,19 @@
 """8 simulated CPU devices for every test: two 4-device pools with different layouts."""
+import atexit
 import os
+import shutil
+import tempfile
 
-import jax
+# One persistent XLA cache for the session, this process and every one it starts (train
+# subprocesses, Ray workers): the suite compiles the same small programs in many runtimes. Fresh
+# per session, so a run never reads programs an older checkout compiled.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-hex-xla-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault("JAXRL_HEX_QUIET", "1")

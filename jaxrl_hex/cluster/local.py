@@ -1,5 +1,6 @@
 """Both sides in this JAX runtime. The Ray workers wrap these same classes, one per process."""
 import os
+import threading
 import time
 
 import jax
@@ -96,6 +97,7 @@ class LocalRolloutSide:
                          weights_source=self._fresh_weights)
     self.eval_engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, **options)
     self.stream = ChunkStream(self.engine)  # a fleet replica's routed chunks (advance)
+    self._arrived = threading.Event()  # set by notify(): the router holds new work for this replica
     self.receives = []  # (start, end) of the weight receives the engine pulled mid-generation
 
   def warmup(self, sample: int = 1000) -> float:
@@ -105,6 +107,11 @@ class LocalRolloutSide:
     step = max(1, len(records) // sample)
     lengths = [len(tok.encode(records[i]["prompt"])) + 1 for i in range(0, len(records), step)]  # + BOS
     return self.engine.warmup(lengths, self.rt.cfg.rollout.group_size)
+
+  def notify(self):
+    """New work for this replica is waiting (a batch arrived): a running advance() returns at its
+    next hand-back, so the caller can queue it, instead of running on with slots idle."""
+    self._arrived.set()
 
   def offer(self, handle):
     """Called right after each publish: in-flight sequences switch to these weights at the engine's
@@ -130,28 +137,35 @@ class LocalRolloutSide:
     return None
 
   def generate(self, records, group_size, seed, batch_index, handle):
-    """-> (Rollout, receive span or None). Weights are at least handle.version."""
+    """-> (Rollout, receive span or None, {} (one runtime: no per-replica figures)). Weights are at
+    least handle.version."""
     span = self.refresh(self.engine, handle)
     rollout = self.engine.generate([r["prompt"] for r in records], group_size, batch_key(seed, batch_index),
                                    group_ids=[r["index"] for r in records])
-    return rollout, span
+    return rollout, span, {}
 
   def advance(self, chunks, handle) -> dict:
     """A fleet replica's step: queues `chunks` [(id, records, group_size, seed, batch_index)] on
     the running engine, then hand-backs until a chunk finishes or the engine has room for more
-    -> {done: [(id, Rollout)], tokens generated, decode steps run, receives: [(start, end)] of
-    weights pulled}. Weights are at least handle.version for every queued group (the engine
+    -> {done: [(id, Rollout)], tokens generated, decode steps run and their seconds, receives:
+    [(start, end)] of weights pulled}. Weights are at least handle.version for every queued group (the engine
     switches before it admits); a group's samples are those generate() would draw."""
     self.offer(handle)
     for cid, records, group_size, seed, batch_index in chunks:
       self.stream.submit(cid, [r["prompt"] for r in records], group_size, batch_key(seed, batch_index),
                          [r["index"] for r in records])
-    tokens, steps, self.receives = self.engine.tokens_generated, self.engine.decode_steps, []
-    done = self.stream.advance(max_s=ADVANCE_MAX_S, group_size=self.rt.cfg.rollout.group_size)
+    engine = self.engine
+    tokens, steps, decode_s, self.receives = engine.tokens_generated, engine.decode_steps, engine.decode_seconds, []
+    done = self.stream.advance(max_s=ADVANCE_MAX_S, group_size=self.rt.cfg.rollout.group_size,
+                               arrived=self._arrived.is_set)
+    # cleared on the way out, not in: a notify that lands between the caller's last look at the
+    # router and this call is for work this call did not take, so it ends the call at once
+    self._arrived.clear()
     return {
         "done": done,
-        "tokens": self.engine.tokens_generated - tokens,
-        "steps": self.engine.decode_steps - steps,
+        "tokens": engine.tokens_generated - tokens,
+        "steps": engine.decode_steps - steps,
+        "decode_s": engine.decode_seconds - decode_s,
         "receives": self.receives
     }
 

@@ -258,16 +258,19 @@ class RayRolloutSide:
     self.timeout = rt.cfg.cluster.worker_timeout_s
     self.max_restarts = rt.cfg.cluster.max_restarts
     self._args = (rt.cfg.to_json_best_effort(), workdir)
-    # max_concurrency: offer() and evaluate() land during a chunk's generate
+    # max_concurrency: offer(), notify() and evaluate() land during an advance()
     self._cls = [
-        _actor(RolloutWorker, s, max_concurrency=3, **(_group_options(s, rt.mesh_file.platform) if groups else {}))
+        _actor(RolloutWorker, s, max_concurrency=4, **(_group_options(s, rt.mesh_file.platform) if groups else {}))
         for s in self.replica_specs
     ]
     self.router = Router(self.replicas, shares)
+    self.in_flight = min(self.replicas, rt.cfg.train.max_staleness + 1)  # batches the gate lets in at once
     self.slots = [_slots(rt.cfg, share, s, self.replicas) for share, s in zip(self.router.prior, self.replica_specs)]
     self.room = [n // rt.cfg.rollout.group_size + 1 for n in self.slots]  # groups a replica holds
-    # per replica since the start: tokens, slot-steps (occupancy = their ratio) and generation seconds
-    self.decoded = [{"tokens": 0, "slot_steps": 0, "gen_s": 0.0} for _ in range(self.replicas)]
+    # per replica since the start: tokens, slot-steps (occupancy = their ratio), generation seconds
+    # (prefill and the engine's host work included: the speed routing follows) and decode seconds
+    # (the decode steps' programs alone: the cost model's decode step, which calibration fits)
+    self.decoded = [{"tokens": 0, "slot_steps": 0, "gen_s": 0.0, "decode_s": 0.0} for _ in range(self.replicas)]
     self.workers = [cls.remote(*self._args, i, self.slots[i]) for i, cls in enumerate(self._cls)]
     try:
       ray.get([w.ready.remote() for w in self.workers])
@@ -326,14 +329,16 @@ class RayRolloutSide:
   def _take(self, i, held) -> list:
     """New chunks for replica i, as many groups as its room has beside `held`. Blocks when it
     holds nothing (an empty list then means the router closed); waits TOP_UP_WAIT_S when its
-    slots are not full, as the next batch is often a moment away (its predecessor just finished
-    here), and a call without it would run a whole hand-back with those slots idle."""
+    slots are not full and the gate may still let a batch in, as the next batch is often a moment
+    away (its predecessor just finished here), and a call without it returns at the first
+    hand-back with free slots (a batch arriving later ends the call through notify)."""
     taken, n = [], sum(len(c.positions) for c, _, _ in held.values())
     while n < self.room[i]:
       if not (held or taken):
         timeout = None
       else:
-        timeout = TOP_UP_WAIT_S if n < self.room[i] - 1 and not taken else 0
+        coming = self.router.unfinished() < self.in_flight
+        timeout = TOP_UP_WAIT_S if coming and n < self.room[i] - 1 and not taken else 0
       chunk = self.router.next_chunk(i, most=self.room[i] - n, timeout=timeout)
       if chunk is None:
         break
@@ -391,7 +396,8 @@ class RayRolloutSide:
       gen_s = out["seconds"] - out["compile_s"] - sum(end - start for start, end in out["receives"])
       slot_steps = out["steps"] * self.slots[i]
       self.router.measure(i, slot_steps, gen_s)
-      for key, value in (("tokens", out["tokens"]), ("slot_steps", slot_steps), ("gen_s", gen_s)):
+      for key, value in (("tokens", out["tokens"]), ("slot_steps", slot_steps), ("gen_s", gen_s), ("decode_s",
+                                                                                                   out["decode_s"])):
         self.decoded[i][key] += value
       for cid, rollout in out["done"]:
         chunk, receives, queued = held.pop(cid)
@@ -410,8 +416,10 @@ class RayRolloutSide:
 
   def generate(self, records, group_size, seed, batch_index, handle):
     """The batch's prompt groups through the router -> (Rollout in the records' order, the span
-    over its chunks' weight receives, or None)."""
+    over its chunks' weight receives or None, the batch's per-replica figures for its metrics row)."""
     self.router.add_batch(batch_index, list(records), (group_size, seed, handle))
+    for worker in self.workers:  # a replica in a hand-back takes its part at the next one, not after its call
+      worker.notify.remote()
     results, stats = self.router.wait(batch_index)
     positions = np.concatenate([np.repeat(np.asarray(ps), group_size) for ps, _ in results])  # [N] record of each row
     rollout = select_rows(concat_rollouts([out["rollout"] for _, out in results]), np.argsort(positions, kind="stable"))
@@ -423,7 +431,25 @@ class RayRolloutSide:
       r["slots"], r["decoded"] = self.slots[r["replica"]], dict(self.decoded[r["replica"]])
     self._spans.span("route", now - stats["seconds"], now, batch=batch_index, replicas=stats["replicas"],
                      shares=self.router.shares())
-    return rollout, span
+    return rollout, span, self._row_figures(stats)
+
+  def _row_figures(self, stats) -> dict:
+    """A batch's routing in its metrics row: per replica its prompts, tokens, busy and idle
+    seconds; and the idle share of the fastest group (by measured slot-steps/s), the figure
+    request-level routing drives down."""
+    keys = ("replica", "group", "prompts", "tokens", "busy_s", "idle_s")
+    replicas = [{k: r[k] for k in keys} for r in stats["replicas"]]
+    out = {"rollout_replicas": replicas}
+    rates = {}
+    for r, rate in enumerate(self.router.rate):
+      if rate is not None:
+        rates.setdefault(self.group_of[r], []).append(rate)
+    if rates and stats["seconds"] > 0:
+      fastest = max(rates, key=lambda g: np.mean(rates[g]))
+      members = [r for r in replicas if r["group"] == fastest]
+      out["rollout_fastest_group"] = fastest
+      out["rollout_fastest_idle_share"] = sum(r["idle_s"] for r in members) / (len(members) * stats["seconds"])
+    return out
 
   def evaluate(self, records, handle):
     """Greedy completions on the replica with the largest share (beside its current chunk)."""

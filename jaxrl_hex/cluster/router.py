@@ -116,6 +116,11 @@ class Router:
         self._complete(b, now)
       self._cond.notify_all()
 
+  def unfinished(self) -> int:
+    """Batches in flight: added, some group not yet done."""
+    with self._cond:
+      return sum(b.finished is None for b in self._batches.values())
+
   def _chunk_size(self, b: _Batch, replica: int, most: int | None) -> int:
     """Groups `replica` takes of batch `b` now: a piece of its allotment, or, once that is
     taken and the replica holds nothing, a piece-sized steal of what is still unstarted (a

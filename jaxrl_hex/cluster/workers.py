@@ -46,7 +46,8 @@ def _describe(process_index=0):
       "pid": os.getpid(),
       "host": socket.gethostname(),
       "process_index": process_index,
-      "local_devices": [d.id for d in jax.local_devices()]
+      "local_devices": [d.id for d in jax.local_devices()],
+      "cores": sorted(os.sched_getaffinity(0)),  # the pinning (affinity) it runs under
   }
 
 
@@ -163,6 +164,10 @@ class RolloutWorker:
     """Runs beside generate() (the actor takes two calls at once): the engine picks it up at its
     next hand-back."""
     self.side.offer(handle)
+
+  def notify(self):
+    """Runs beside advance(): it returns at its next hand-back to take newly routed work."""
+    self.side.notify()
 
   def receive(self, handle) -> int:
     """Load the weights of `handle` now (otherwise they load at the next generate)."""

@@ -14,6 +14,11 @@ distance.
 
 Numerics follow transformers' eager implementations (fp32 norms, RoPE tables and softmax), so a
 converted checkpoint gives the same logits.
+
+With cfg.scan_layers the layers are one Block whose params lead with a "layers" axis [L, ...]
+(made by nnx.vmap) and are applied by one jax.lax.scan, so the program's size does not depend on
+the depth; stack_layers / unstack_layers convert params between the two layouts. cfg.remat wraps
+each layer's application in jax.checkpoint.
 """
 import math
 
@@ -25,7 +30,9 @@ from flax import nnx
 
 from jaxrl_hex.models.config import is_sliding
 
-Cache = list  # per layer: (k, v), each [batch, cache_len, kv_heads, head_dim]
+# A list of (keys, values) in the layout of CACHE_AXES: one pair per layer, or with
+# cfg.scan_layers one pair for all layers, stacked [L, ...] (see cache_axes).
+Cache = list
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -134,8 +141,8 @@ class Attention(nnx.Module):
     self.logit_cap = cfg.attn_logit_softcap
     self.dtype = jnp.dtype(cfg.dtype)
 
-  def __call__(self, x, rope_tables, mask, cache, cache_index):
-    """rope_tables: rope_args -> rope_table(positions, *rope_args), shared by all layers."""
+  def __call__(self, x, table, mask, cache, cache_index):
+    """table: rope_table(positions, *rope_args) of this layer's RoPE settings."""
     dt = self.dtype
     x2 = x.reshape(-1, x.shape[-1])  # [tokens, d_model]: see MLP
     proj = lambda w: (x2 @ w[...].astype(dt).reshape(w.shape[0], -1)).reshape(x.shape[:2] + w.shape[1:])
@@ -144,7 +151,6 @@ class Attention(nnx.Module):
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if self.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    table = rope_tables[self.rope_args]
     q, k = rope(q, table), rope(k, table)
     keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache layout (init_cache)
     if cache is not None:
@@ -196,8 +202,8 @@ class Block(nnx.Module):
       self.post_attn_norm, self.post_mlp_norm = norm(), norm()
     self.post_norms, self.sliding = cfg.post_norms, sliding
 
-  def __call__(self, x, rope_tables, mask, cache, cache_index):
-    a, cache = self.attn(self.attn_norm(x), rope_tables, mask, cache, cache_index)
+  def __call__(self, x, table, mask, cache, cache_index):
+    a, cache = self.attn(self.attn_norm(x), table, mask, cache, cache_index)
     x = x + (self.post_attn_norm(a) if self.post_norms else a)
     m = self.mlp(self.mlp_norm(x))
     return x + (self.post_mlp_norm(m) if self.post_norms else m), cache
@@ -210,7 +216,10 @@ class Decoder(nnx.Module):
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab_in", "embed_in"), pdt, cfg.d_model**-0.5)
-    self.layers = nnx.List([Block(cfg, rngs, is_sliding(cfg, i)) for i in range(cfg.n_layers)])
+    if cfg.scan_layers:
+      self.layers = _stacked_blocks(cfg, rngs)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs, is_sliding(cfg, i)) for i in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, cfg.norm_style)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed_out", "vocab_out"), pdt, cfg.d_model**-0.5)
@@ -219,6 +228,13 @@ class Decoder(nnx.Module):
                rope_tables=None):
     """tokens, positions [B, T]; mask [B, T, S] -> logits [B, T, vocab] (fp32), new cache.
     rope_tables: from rope_tables(cfg, limit) when every position is below limit (decode loops)."""
+    x, new_cache = self.hidden(tokens, positions, mask, cache, cache_index, key_positions, rope_tables)
+    return self.logits(x), new_cache
+
+  def hidden(self, tokens, positions, mask, cache: Cache | None = None, cache_index=0, key_positions=None,
+             rope_tables=None):
+    """As __call__, but -> the final hidden states [B, T, d_model] (after the final norm, in
+    cfg.dtype), so a caller can run the output head over slices of them (see logits)."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     x = self.embed[...].astype(dt)[tokens]
@@ -230,14 +246,100 @@ class Decoder(nnx.Module):
       tables = {args: rope_table(positions, *args) for args in layer_rope_settings(cfg)}
     else:  # tables over 0..limit-1: look the positions up
       tables = {args: (cos[0, positions], sin[0, positions]) for args, (cos, sin) in rope_tables.items()}
-    new_cache = []
-    for i, layer in enumerate(self.layers):
-      x, c = layer(x, tables, local_mask if layer.sliding else mask, None if cache is None else cache[i], cache_index)
-      new_cache.append(c)
-    x = self.final_norm(x)
+
+    def layer_inputs(sliding):  # (rope table, mask) of a sliding or full layer
+      return tables[rope_settings(cfg, sliding)], local_mask if sliding else mask
+
+    if cfg.scan_layers:
+      x, new_cache = self._scan_layers(x, layer_inputs, cache, cache_index)
+    else:
+      new_cache = []
+      for i, layer in enumerate(self.layers):
+        graphdef, state = nnx.split(layer)
+        x, c = _block_fn(graphdef, cfg.remat, prevent_cse=True)(state, x, *layer_inputs(layer.sliding),
+                                                                None if cache is None else cache[i], cache_index)
+        new_cache.append(c)
+    return self.final_norm(x), (new_cache if cache is not None else None)
+
+  def _scan_layers(self, x, layer_inputs, cache, cache_index):
+    """The stacked layers over x by one scan; cache: [(keys [L, ...], values [L, ...])] or None.
+    The cache rides in the carry, so each layer's write lands in place in the stacked buffers
+    (as scan inputs and outputs, the old and new caches would be two buffers); the layer reads
+    its own slice, so the checkpointed block's saved inputs are one layer's cache, not all."""
+    cfg = self.cfg
+    kinds = np.array([is_sliding(cfg, i) for i in range(cfg.n_layers)])
+    mixed = kinds.any() and not kinds.all()  # Gemma 2/3 interleave sliding and full layers
+    graphdef, state = nnx.split(self.layers)
+    run = _block_fn(graphdef, cfg.remat, prevent_cse=False)  # scan already keeps XLA from merging the recompute
+
+    def body(carry, xs):
+      x, stacked = carry
+      layer_state, i, sliding = xs
+      if mixed:
+        inputs = jax.tree.map(lambda a, b: jnp.where(sliding, a, b), layer_inputs(True), layer_inputs(False))
+      else:
+        inputs = layer_inputs(bool(kinds[0]))
+      layer_cache = None if stacked is None else tuple(jax.lax.dynamic_index_in_dim(c, i, 0, False) for c in stacked)
+      x, layer_cache = run(layer_state, x, *inputs, layer_cache, cache_index)
+      if stacked is not None:
+        stacked = tuple(jax.lax.dynamic_update_index_in_dim(c, u, i, 0) for c, u in zip(stacked, layer_cache))
+      return (x, stacked), None
+
+    (x, stacked), _ = jax.lax.scan(body, (x, None if cache is None else tuple(cache[0])),
+                                   (state, jnp.arange(cfg.n_layers), jnp.asarray(kinds)))
+    return x, (None if cache is None else [stacked])
+
+  def logits(self, x, columns=None):
+    """Final hidden states x [..., d_model] -> fp32 logits [..., vocab] through the output head
+    (the tied embeddings or lm_head) and the final soft-cap. columns: a slice of the vocabulary
+    to compute only those logits (the critic reads one column of its head)."""
+    cfg = self.cfg
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    logits = softcap((x @ head.astype(dt)).astype(jnp.float32), cfg.final_logit_softcap)
-    return logits, (new_cache if cache is not None else None)
+    if columns is not None:
+      head = head[:, columns]
+    return softcap((x @ head.astype(jnp.dtype(cfg.dtype))).astype(jnp.float32), cfg.final_logit_softcap)
+
+
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _block_fn(graphdef, remat: str, prevent_cse: bool):
+  """(block state, x, table, mask, cache, cache_index) -> (x, cache), rematerialised as cfg.remat
+  says (jax.checkpoint changes nothing outside differentiation, so decoding pays nothing)."""
+
+  def run(state, x, table, mask, cache, cache_index):
+    return nnx.merge(graphdef, state)(x, table, mask, cache, cache_index)
+
+  if remat == "none":
+    return run
+  return jax.checkpoint(run, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def _stacked_blocks(cfg, rngs) -> Block:
+  """One Block holding every layer's params stacked [L, ...], each layer from its own key; its
+  static settings are those of a full layer (the scan passes each layer its mask and RoPE)."""
+
+  @nnx.split_rngs(splits=cfg.n_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Block(cfg, rngs)
+
+  blocks = make(rngs)
+  for _, var in nnx.iter_graph(blocks):
+    if isinstance(var, nnx.Param):
+      var.set_metadata("axes", ("layers",) + var.get_metadata()["axes"])
+  return blocks
+
+
+def stack_layers(params: dict) -> dict:
+  """Params of a scan_layers=False model -> those of the same model with scan_layers=True."""
+  layers = params["layers"]
+  return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(len(layers))]))
+
+
+def unstack_layers(params: dict, n_layers: int) -> dict:
+  """The inverse of stack_layers."""
+  return dict(params, layers={i: jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(n_layers)})
 
 
 def window_mask(mask, positions, window, cached, cache_index, key_positions=None):
@@ -261,25 +363,48 @@ def causal_mask(valid):
 # p.v are then plain matmuls over the cache as it lies (a [B, S, KV, head_dim] cache is
 # transposed whole at every step on CPU: 2x slower decode attention).
 CACHE_AXES = (("batch", "kv_heads", "head_dim", "length"), ("batch", "kv_heads", "length", "head_dim"))
-CACHE_LENGTH_AXES = (3, 2)
 
 
-def cache_shapes(cfg, batch, length):
-  sizes = {"batch": batch, "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "length": length}
-  return tuple(tuple(sizes[a] for a in axes) for axes in CACHE_AXES)
+def cache_axes(cfg) -> list:
+  """The logical axes of init_cache's arrays, in its structure: per layer, or stacked."""
+  if cfg.scan_layers:
+    return [tuple(("layers",) + axes for axes in CACHE_AXES)]
+  return [CACHE_AXES] * cfg.n_layers
 
 
-def init_cache(cfg, batch, length, dtype=None):
+def cache_shapes(cfg, batch, length) -> list:
+  """The shapes of init_cache's arrays, in its structure."""
+  sizes = {
+      "layers": cfg.n_layers,
+      "batch": batch,
+      "kv_heads": cfg.n_kv_heads,
+      "head_dim": cfg.head_dim,
+      "length": length
+  }
+  return [tuple(tuple(sizes[a] for a in axes) for axes in entry) for entry in cache_axes(cfg)]
+
+
+def init_cache(cfg, batch, length, dtype=None) -> Cache:
   dt = jnp.dtype(dtype or cfg.dtype)
-  return [tuple(jnp.zeros(shape, dt) for shape in cache_shapes(cfg, batch, length)) for _ in range(cfg.n_layers)]
+  return [tuple(jnp.zeros(shape, dt) for shape in entry) for entry in cache_shapes(cfg, batch, length)]
 
 
-def extend_cache(cache, rows, extra: int):
+def map_cache(fn, cache: Cache, *others: Cache) -> Cache:
+  """fn(array, *the same array of each of others, logical axes) over every array of a cache, so a
+  caller finds the batch and length axes by name whether the cache is per layer or stacked."""
+  return [
+      tuple(
+          fn(*arrays, (("layers",) if arrays[0].ndim > len(axes) else ()) + axes)
+          for *arrays, axes in zip(*entries, CACHE_AXES)) for entries in zip(cache, *others)
+  ]
+
+
+def extend_cache(cache: Cache, rows, extra: int) -> Cache:
   """The cache's rows[i] as row i, with `extra` empty positions after the cached ones."""
 
-  def grow(x, axis):
+  def grow(x, axes):
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(x[rows], pad)
+    pad[axes.index("length")] = (0, extra)
+    return jnp.pad(x[(slice(None),) * axes.index("batch") + (rows,)], pad)
 
-  return [tuple(grow(x, axis) for x, axis in zip(layer, CACHE_LENGTH_AXES)) for layer in cache]
+  return map_cache(grow, cache)

@@ -56,6 +56,8 @@ HF_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu
 HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 # Fields of ours that only set precision; everything else must survive a trip through config.json.
 PRECISION_FIELDS = ("dtype", "param_dtype")
+# Fields of ours that only set how the program runs (not what it computes): config.json has none.
+EXECUTION_FIELDS = ("scan_layers", "remat")
 
 
 def read_config(model_dir: str) -> dict:
@@ -237,7 +239,8 @@ def hf_config(cfg, base: dict | None = None, dtype: str | None = None) -> dict:
 
 def _semantics(cfg) -> dict:
   """What a config computes, with equivalent spellings (layer_types, per-layer RoPE) made equal."""
-  skip = PRECISION_FIELDS + ("layer_types", "sliding_window", "rope_theta", "rope_scaling", "rope_local_theta")
+  skip = PRECISION_FIELDS + EXECUTION_FIELDS + ("layer_types", "sliding_window", "rope_theta", "rope_scaling",
+                                                "rope_local_theta")
   out = {k: cfg[k] for k in DEFAULTS if k not in skip}
   out["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar or cfg.head_dim
   for i in range(cfg.n_layers):

@@ -119,6 +119,17 @@ def _set(tree, path, value):
   tree[path[-1]] = value
 
 
+def _stacked_path(cfg, lay):
+  """With cfg.scan_layers, the path of the stacked [L, ...] param holding a layer's tensor; else None."""
+  return ("layers",) + lay.path[2:] if cfg.scan_layers and lay.path[0] == "layers" else None
+
+
+def _param_of(cfg, params, lay):
+  """The device array of a layout's tensor (one layer's slice of a stacked param)."""
+  stacked = _stacked_path(cfg, lay)
+  return _get(params, lay.path) if stacked is None else _get(params, stacked)[lay.path[1]]
+
+
 def load_params(model_dir: str, cfg, shardings) -> dict:
   """The checkpoint's tensors as our params dict, each created in its sharding (a pytree like
   Policy.shapes()) from the blocks its devices hold, converted to cfg.param_dtype."""
@@ -139,12 +150,26 @@ def load_params(model_dir: str, cfg, shardings) -> dict:
     raise HFModelError(f"{ckpt.entries[unused[0]].path}: tensor '{unused[0]}' (and {len(unused) - 1} more) is not "
                        f"part of a {family} model with this config.json")
   dtype = jnp.dtype(cfg.param_dtype)
-  params = {}
+  params, stacks = {}, {}
   for lay in layouts:
+    stacked = _stacked_path(cfg, lay)
+    if stacked is not None:  # layers in order: tensor_layouts lists layer 0 first
+      stacks.setdefault(stacked, []).append(lay)
+      continue
     _set(
         params, lay.path,
         jax.make_array_from_callback(lay.shape, _get(shardings, lay.path),
                                      lambda index, lay=lay: lay.read(ckpt, index).astype(dtype, copy=False)))
+
+  def read_layers(lays, index):  # a block of a stacked param: its layers' blocks, each read on its own
+    blocks = [lays[i].read(ckpt, index[1:]) for i in range(*index[0].indices(len(lays)))]
+    return np.stack(blocks).astype(dtype, copy=False)
+
+  for path, lays in stacks.items():
+    _set(
+        params, path,
+        jax.make_array_from_callback((len(lays),) + lays[0].shape, _get(shardings, path),
+                                     functools.partial(read_layers, lays)))
   ckpt.close()
   return params
 
@@ -158,7 +183,7 @@ def save_hf(cfg, params, out_dir: str, source_dir: str | None = None, dtype: str
   os.makedirs(out_dir, exist_ok=True)
 
   def fetch(lay):
-    x = _get(params, lay.path)
+    x = _param_of(cfg, params, lay)
     if not x.is_fully_addressable:  # multi-host: every process gathers, one writes
       return lay.to_hf(np.asarray(multihost_utils.process_allgather(x, tiled=True))).astype(out_dtype)
     return lay.to_hf(np.asarray(jax.device_get(x))).astype(out_dtype)
@@ -232,11 +257,13 @@ def _pool(mesh):
   return meshes.Pool(spec, list(mesh.devices.flat))
 
 
-def from_hf(path: str, mesh=None, param_dtype: str | None = None, dtype: str | None = None) -> CausalLM:
+def from_hf(path: str, mesh=None, param_dtype: str | None = None, dtype: str | None = None,
+            scan_layers: bool = False) -> CausalLM:
   """A Hugging Face model directory as a CausalLM, its weights sharded over `mesh` (a
   meshes.Pool or a jax Mesh with axes data/fsdp/tensor) or on the default device.
-  param_dtype / dtype: stored weights / compute; default: the checkpoint's dtype."""
-  overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
+  param_dtype / dtype: stored weights / compute; default: the checkpoint's dtype.
+  scan_layers: each layer's tensors stacked into [L, ...] params (model.scan_layers)."""
+  overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype), ("scan_layers", scan_layers)) if v}
   cfg = hf_model_config(path, **overrides)
   policy = Policy.build(cfg)
   pool = _pool(mesh)

@@ -42,6 +42,17 @@ class Policy:
     """-> (logits [B, T, vocab] fp32, cache). key_positions [B, S], rope_tables: see models.decoder."""
     return self.module(params)(tokens, positions, mask, cache, cache_index, key_positions, rope_tables)
 
+  def apply_hidden(self, params, tokens, positions, mask, cache=None, cache_index=0, key_positions=None,
+                   rope_tables=None):
+    """As apply, but -> (final hidden states [B, T, d_model] in cfg.dtype, cache): the output head
+    left to `logits`, so a caller can run it over slices (the trainer's chunked logprobs)."""
+    return self.module(params).hidden(tokens, positions, mask, cache, cache_index, key_positions, rope_tables)
+
+  def logits(self, params, hidden, columns=None):
+    """Hidden states [..., d_model] from apply_hidden -> fp32 logits [..., vocab], as apply
+    computes them; columns: a slice of the vocabulary to compute only those."""
+    return self.module(params).logits(hidden, columns)
+
   def module(self, params) -> Decoder:
     """The nnx Decoder holding `params` (no copy)."""
     return nnx.merge(self.graphdef, self._with_values(params))

@@ -47,10 +47,14 @@ class Cluster:
   counts: dict  # {device type: chips available}, in file order
   catalog: dict  # {device type: catalog.Device}
   workload: cm.Workload
+  cores: dict = dataclasses.field(default_factory=dict)  # {cpu device type: the cores its devices share}
 
 
 def load_cluster(path, catalog_extra=None) -> Cluster:
-  """meshes/cluster-*.yaml: cluster: [{type, count}], optional workload:, prices:, catalog:."""
+  """meshes/cluster-*.yaml: cluster: [{type, count, cores}], optional workload:, prices:, catalog:
+  (a catalog overlay, inline or a file next to this one; `catalog_extra` goes on top of it).
+  `cores` (cpu types only) pins the type's simulated devices to those cores of this machine, as
+  the plan's pools will be."""
   path = pathlib.Path(path)
   try:
     data = yaml.safe_load(path.read_text()) or {}
@@ -63,9 +67,10 @@ def load_cluster(path, catalog_extra=None) -> Cluster:
   unknown = set(data) - {"cluster", "workload", "prices", "catalog"}
   if unknown:
     raise PlanError(f"cluster file {path}: unknown key(s) {sorted(unknown)}; known: cluster, workload, prices, catalog")
-  extra = catalog_extra or (data.get("catalog") and path.parent / data["catalog"])
-  catalog = load_catalog(extra, data.get("prices"))
-  counts = {}
+  own = data.get("catalog")
+  own = (f"{path}: catalog", own) if isinstance(own, dict) else own and path.parent / own
+  catalog = load_catalog([own, catalog_extra], data.get("prices"))
+  counts, cores = {}, {}
   for i, entry in enumerate(data["cluster"]):
     if not isinstance(entry, dict) or "type" not in entry or "count" not in entry:
       raise PlanError(f"cluster file {path}: cluster[{i}] needs `type` and `count`")
@@ -76,7 +81,19 @@ def load_cluster(path, catalog_extra=None) -> Cluster:
     if not isinstance(entry["count"], int) or entry["count"] < 1:
       raise PlanError(f"cluster file {path}: cluster[{i}].count must be a positive integer")
     counts[kind] = counts.get(kind, 0) + entry["count"]
-  return Cluster(counts, catalog, cm.Workload.from_dict(data.get("workload"), f"{path}: workload"))
+    unknown = set(entry) - {"type", "count", "cores"}
+    if unknown:
+      raise PlanError(f"cluster file {path}: cluster[{i}] has unknown key(s) {sorted(unknown)}; known: type, count, "
+                      f"cores")
+    if "cores" in entry:
+      given = entry["cores"]
+      if catalog[kind].platform != "cpu":
+        raise PlanError(f"cluster file {path}: cluster[{i}].cores pins simulated cpu devices; {kind} is a "
+                        f"{catalog[kind].platform} type, drop `cores`")
+      if not isinstance(given, list) or not given or not all(isinstance(c, int) and c >= 0 for c in given):
+        raise PlanError(f"cluster file {path}: cluster[{i}].cores must be a list of core numbers, e.g. [0]")
+      cores[kind] = cores.get(kind, []) + [c for c in given if c not in cores.get(kind, [])]
+  return Cluster(counts, catalog, cm.Workload.from_dict(data.get("workload"), f"{path}: workload"), cores)
 
 
 # ---------------------------------------------------------------- candidates
@@ -160,12 +177,13 @@ class Problem:
         k: [r for t in cm.tensor_degrees(d) if (r := cm.replica(self.m, d, t, self.w))] for k, d in self.devs.items()
     }
 
-  def train_choice(self, kind, n):
-    """Fastest layout of n chips of `kind` that fits and that the runtime accepts, or None."""
+  def train_choice(self, kind, n, layouts=None):
+    """Fastest layout of n chips of `kind` (of `layouts`, default every one that fits and that
+    the runtime accepts), or None."""
     dev, best = self.devs[kind], None
     if not dev.runtime_sizes_ok(n):
       return None
-    for layout in cm.train_layouts(self.m, dev, n, self.seq_len, self.w.sequences):
+    for layout in layouts or cm.train_layouts(self.m, dev, n, self.seq_len, self.w.sequences):
       time = cm.train_time(self.m, dev, layout, self.w.trained_tokens, self.seq_len)
       if best is None or time.total_s < best.total_s:
         best, best_layout = time, layout
@@ -248,6 +266,37 @@ class Problem:
         f"cluster {dict(self.cluster.counts)} cannot host one rollout replica next to a training pool "
         f"(smallest replica: {smallest[1]} x {smallest[2]}; training fits on {trainable[0][1]} x {trainable[0][0]} "
         f"at most); add devices so both pools fit")
+
+
+def predict_written(model_cfg, cluster: Cluster, plan_data: dict, name="model") -> Plan:
+  """A plan file's allocation (its train pool's layout, its replica groups) predicted on
+  `cluster`'s catalog and workload: what a refitted catalog (`jaxrl-hex calibrate`) says of a
+  plan already written. Prompts are split over its replicas by the new speeds, as the router
+  would."""
+  prob = Problem(model_cfg, cluster, name)
+  pools = plan_data["pools"]
+  t, r = pools["train"], pools["rollout"]
+  axes = t["mesh"]
+  layout = cm.TrainLayout(axes.get("data", 1), axes.get("fsdp", 1), axes.get("tensor", 1))
+  train = prob.train_choice(t["device_type"], layout.devices, [layout])
+  if train is None:
+    raise PlanError(f"the plan's train pool ({layout.devices} x {t['device_type']}, mesh {axes}) does not fit the "
+                    f"workload on this catalog")
+  groups = r.get("replicas") or [{
+      "device_type": r["device_type"],
+      "count": r["mesh"].get("data", 1),
+      "mesh": {
+          "tensor": r["mesh"].get("tensor", 1)
+      }
+  }]
+  options = {(o.replica.device_type, o.replica.tensor): o for o in prob.options(train, dict(cluster.counts))}
+  counts = {}
+  for g in groups:
+    key = (g["device_type"], g["mesh"].get("tensor", 1))
+    if key not in options:
+      raise PlanError(f"the plan's replica group {key[0]} at tensor {key[1]} does not fit the workload on this catalog")
+    counts[key] = counts.get(key, 0) + g["count"]
+  return prob.evaluate("throughput", train, [(options[k], y) for k, y in counts.items()])
 
 
 def split_prompts(used, prompts, group_size):

@@ -127,13 +127,15 @@ def _fit(parts, per_unit, measured, target, effs, overhead):
     else:
       fitted_overhead = overhead
       inv = [np.mean((target - known - overhead * per_unit / measured) * measured / parts[:, free[0]])]
-      if inv[0] <= 0:  # the catalog's overhead alone is more than was measured: keep the efficiency, fit that
-        inv = [1 / effs[free[0]]]
-        fitted_overhead = max(
-            float(np.mean((target - known - parts[:, free[0]] * inv[0] / measured) * measured / per_unit)), 0.0)
-    if all(v > 0 for v in inv) or len(free) == 1:
+    # the records show only overhead (or the catalog's overhead alone is more than was measured):
+    # keep the efficiency, fit the overhead
+    if len(free) == 1 and inv[0] <= 0:
+      inv = [1 / effs[free[0]]]
+      fitted_overhead = max(
+          float(np.mean((target - known - parts[:, free[0]] * inv[0] / measured) * measured / per_unit)), 0.0)
+    if all(v > 0 for v in inv):
       for i, v in zip(free, inv):
-        effs[i] = float(1 / max(v, 1e-9))
+        effs[i] = float(1 / v)
       return effs, float(fitted_overhead)
     free = [i for i, v in zip(free, inv) if v > 0]
   return effs, float(overhead)

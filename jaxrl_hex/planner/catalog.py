@@ -85,19 +85,25 @@ def _read_yaml(path) -> dict:
     raise PlanError(f"catalog file {path} not found; pass an existing YAML path") from None
   except yaml.YAMLError as e:
     raise PlanError(f"catalog file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+  return _checked(data, f"catalog file {path}")
+
+
+def _checked(data, where) -> dict:
   if not isinstance(data, dict) or not isinstance(data.get("devices", {}), dict):
-    raise PlanError(f"catalog file {path}: expected a mapping with a `devices:` mapping of entries")
+    raise PlanError(f"{where}: expected a mapping with a `devices:` mapping of entries")
   return data
 
 
 def load_catalog(extra=None, prices=None) -> dict:
-  """Built-in catalog, then `extra` YAML (same shape; overrides fields or adds entries), then prices.
+  """Built-in catalog, then `extra`: a YAML path, or a list of paths and (label, mapping) pairs,
+  each the catalog's shape; later ones override fields or add entries. Then prices.
 
   Returns {name: Device}. Raises PlanError naming the entry and field when one is incomplete.
   """
+  extras = [extra] if isinstance(extra, (str, pathlib.Path)) else [e for e in extra or () if e]
   sources = [(CATALOG_PATH, _read_yaml(CATALOG_PATH))]
-  if extra:
-    sources.append((pathlib.Path(extra), _read_yaml(extra)))
+  for e in extras:
+    sources.append((e[0], _checked(e[1], e[0])) if isinstance(e, tuple) else (pathlib.Path(e), _read_yaml(e)))
   defaults, entries, origin = {}, {}, {}
   for path, data in sources:
     defaults.update(data.get("defaults") or {})

@@ -33,6 +33,15 @@ def _pool_hosts(kind, devices, cluster) -> dict:
   return {"processes": hosts, "hosts": hosts, "ray": {"resources": {"TPU": dev.chips_per_host}}}
 
 
+def _pinned(cluster, kind, replicas=None) -> dict:
+  """The `affinity` of a pool (or of each of a group's `replicas`) of a cpu type the cluster file
+  pins to cores: the speeds the planner assumed are those cores' shares."""
+  cores = cluster.cores.get(kind)
+  if not cores:
+    return {}
+  return {"affinity": list(cores) if replicas is None else [list(cores) for _ in range(replicas)]}
+
+
 def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, alternatives=None) -> dict:
   """The runtime's mesh-file format (pools.train / pools.rollout) plus a `plan:` block.
 
@@ -55,14 +64,17 @@ def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, altern
           "tensor": max(tensors)
       }
   }
-  if not one_rollout_runtime(p, cluster):
+  if one_rollout_runtime(p, cluster):
+    rollout.update(_pinned(cluster, next(iter(rollout_types))))
+  else:
     rollout["replicas"] = [{
         "device_type": g.option.replica.device_type,
         "count": g.count,
         "mesh": {
             "tensor": g.option.replica.tensor
         },
-        "share": g.share(w.sequences)
+        "share": g.share(w.sequences),
+        **_pinned(cluster, g.option.replica.device_type, g.count)
     } for g in groups]
   used = [t.device_type] + [g.option.replica.device_type for g in groups]
   platforms = {cluster.catalog[k].platform for k in used}
@@ -74,7 +86,8 @@ def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, altern
           "device_type": t.device_type,
           "devices": t.layout.devices,
           "mesh": t.layout.mesh(),
-          **_pool_hosts(t.device_type, t.layout.devices, cluster)
+          **_pool_hosts(t.device_type, t.layout.devices, cluster),
+          **_pinned(cluster, t.device_type)
       },
       "rollout": rollout
   }

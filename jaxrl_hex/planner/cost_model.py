@@ -217,14 +217,15 @@ class Replica:
     """(a, b, c) with: time for one replica to generate n sequences of one step = max(a + b*n, c*n).
 
     The staleness gate lets about eta + 1 steps of sequences be in flight, so a replica given n
-    per step runs c(n) = min(slots, (eta + 1) * n) at once; each sequence costs its prefill and
-    output_mean decode steps of (fixed + per_seq * c) / c of the replica. Below saturation the
-    weight read is shared by few sequences (the `a` term); at saturation it is spread over slots.
+    per step runs c(n) = min(slots, (eta + 1) * n) at once; each sequence costs its share of its
+    prompt's prefill (a prompt's G samples stay on one replica and share it) and output_mean
+    decode steps of (fixed + per_seq * c) / c of the replica. Below saturation the weight read is
+    shared by few sequences (the `a` term); at saturation it is spread over slots.
     """
-    length, inflight = w.output_mean, w.eta + 1
+    length, inflight, prefill = w.output_mean, w.eta + 1, self.prefill.total_s / w.group_size
     a = length * self.step_fixed_s / inflight
-    b = self.prefill.total_s + length * self.step_per_seq_s
-    c = self.prefill.total_s + length * (self.step_fixed_s / self.slots + self.step_per_seq_s)
+    b = prefill + length * self.step_per_seq_s
+    c = prefill + length * (self.step_fixed_s / self.slots + self.step_per_seq_s)
     return a, b, c
 
   def tokens_per_s(self, w: Workload) -> float:

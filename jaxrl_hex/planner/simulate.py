@@ -150,7 +150,8 @@ def simulate(spec: SimSpec, steps=30, seed=0) -> SimResult:
         break
       req = generated
       generated += 1
-      r.pause(now, r.spec.prefill_s)  # prefill stalls the replica's decoding (advances its clock)
+      # prefill stalls the replica's decoding (advances its clock); a prompt's G samples share it
+      r.pause(now, r.spec.prefill_s / w.group_size)
       heapq.heappush(r.inflight, (r.work + lengths[req], req))
       start_version[req] = version
       if r.busy_since is None:

@@ -57,21 +57,50 @@ class TokenData:
   returns: jax.Array | None = None  # [M, K, R, L] fp32, the critic's regression targets
 
 
+# Sequence positions per chunk of the output head in layout_logprobs / token_logprobs: each chunk
+# holds fp32 logits [R, LOGPROB_CHUNK, V], never the whole micro-batch's [R, L, V].
+LOGPROB_CHUNK = 256
+
+
 def _logprobs(logits, targets, temperature):
-  """logits [.., T, V], targets [.., T] -> (logp [.., T], entropy [.., T]) at `temperature`."""
-  logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)
-  logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
-  return logp, -(jnp.exp(logp_all) * logp_all).sum(-1)
+  """logits [.., T, V], targets [.., T] -> (logp [.., T], entropy [.., T]) at `temperature`.
+  entropy = lse - sum(p * z): no second [.., T, V] array of log-probabilities."""
+  z = logits / temperature
+  lse = jax.nn.logsumexp(z, axis=-1)
+  target = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+  return target - lse, lse - (jnp.exp(z - lse[..., None]) * z).sum(-1)
 
 
-def token_logprobs(policy, params, batch, temperature=1.0):
+def chunked_logprobs(policy, params, hidden, targets, temperature=1.0, chunk=LOGPROB_CHUNK):
+  """Final hidden states [R, T, d_model] (policy.apply_hidden), targets [R, T] -> (logp [R, T],
+  entropy [R, T]), the output head run over chunks of at most `chunk` positions: peak memory
+  O(R * chunk * V), not O(R * T * V). Each chunk is rematerialised in the backward pass, so the
+  gradient keeps no chunk's logits either."""
+  r, t = targets.shape
+  n = -(-t // chunk)
+  size = -(-t // n)  # equal chunks: at most n - 1 padded positions
+  pad = n * size - t
+  to_chunks = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(r, n, size, *x.shape[2:])
+  xs = (to_chunks(hidden).swapaxes(0, 1), to_chunks(targets).swapaxes(0, 1))  # [n, R, size, d_model], [n, R, size]
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # in a scan, CSE cannot undo the remat
+  def one(chunk_xs):
+    h, y = chunk_xs
+    return _logprobs(policy.logits(params, h), y, temperature)
+
+  logp, entropy = jax.lax.map(one, xs)  # each [n, R, size]
+  from_chunks = lambda x: x.swapaxes(0, 1).reshape(r, n * size)[:, :t]
+  return from_chunks(logp), from_chunks(entropy)
+
+
+def token_logprobs(policy, params, batch, temperature=1.0, chunk=LOGPROB_CHUNK):
   """A TrainBatch's rows as the engine lays them out -> (logp [N, C], entropy [N, C]) of each
   completion token."""
   tokens, valid = batch.tokens, batch.valid
   p_len = tokens.shape[1] - batch.loss_mask.shape[1]
   positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-  logits, _ = policy.apply(params, tokens[:, :-1], positions[:, :-1], causal_mask(valid[:, :-1]))
-  return _logprobs(logits[:, p_len - 1:], tokens[:, p_len:], temperature)
+  hidden, _ = policy.apply_hidden(params, tokens[:, :-1], positions[:, :-1], causal_mask(valid[:, :-1]))
+  return chunked_logprobs(policy, params, hidden[:, p_len - 1:], tokens[:, p_len:], temperature, chunk)
 
 
 def segment_mask(segments):
@@ -81,43 +110,46 @@ def segment_mask(segments):
   return same & jnp.tril(jnp.ones((length, length), bool))[None]
 
 
-def shared_prompt_logits(policy, params, rows: Rows):
+def shared_prompt_hidden(policy, params, rows: Rows):
   """Each of the micro-batch's G prompts [G, P] runs once; every completion row [R, C] attends to
   its group's prompt keys/values (gathered by row_group) and to its own earlier tokens.
-  -> logits [R, C, V] aligned to the completion tokens (token 0 from the prompt's last position)."""
+  -> final hidden states [R, C, d_model] aligned to the completion tokens (token 0 from the
+  prompt's last position)."""
   tokens, valid, group = rows.tokens, rows.segments > 0, rows.row_group
   p_valid = rows.prompt_valid
   g, p_len = p_valid.shape
   r, c_len = tokens.shape
-  prompt_logits, cache = policy.apply(params, rows.prompt_tokens, rows.prompt_positions, causal_mask(p_valid),
-                                      init_cache(policy.cfg, g, p_len), 0)
+  prompt_hidden, cache = policy.apply_hidden(params, rows.prompt_tokens, rows.prompt_positions, causal_mask(p_valid),
+                                             init_cache(policy.cfg, g, p_len), 0)
   cache = extend_cache(cache, group, c_len - 1)
   keys = jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1)  # [R, P + C - 1]
   causal = jnp.arange(p_len + c_len - 1)[None, :] <= p_len + jnp.arange(c_len - 1)[:, None]
-  logits, _ = policy.apply(params, tokens[:, :-1], rows.positions[:, :-1], causal[None] & keys[:, None, :], cache,
-                           p_len)
-  return jnp.concatenate([prompt_logits[group, -1:], logits], axis=1)
+  hidden, _ = policy.apply_hidden(params, tokens[:, :-1], rows.positions[:, :-1], causal[None] & keys[:, None, :],
+                                  cache, p_len)
+  return jnp.concatenate([prompt_hidden[group, -1:], hidden], axis=1)
 
 
-def _layout_apply(policy, params, rows: Rows):
-  """The model on one micro-batch of rows [R, L], next-token logits aligned to their targets:
-  out[:, j] is the prediction of token j (from position j - 1); column 0 predicts nothing
-  (with shared prompts, rows are completions and column 0 comes from the prompt)."""
+def _layout_hidden(policy, params, rows: Rows):
+  """The model on one micro-batch of rows [R, L], final hidden states [R, L, d_model] aligned to
+  the tokens they predict: out[:, j] predicts token j (from position j - 1); column 0 predicts
+  nothing and is zero, so its logits are 0 (with shared prompts, rows are completions and
+  column 0 comes from the prompt)."""
   if rows.prompt_tokens is not None:
-    return shared_prompt_logits(policy, params, rows)
-  logits, _ = policy.apply(params, rows.tokens[:, :-1], rows.positions[:, :-1], segment_mask(rows.segments[:, :-1]))
-  return jnp.pad(logits, ((0, 0), (1, 0), (0, 0)))
+    return shared_prompt_hidden(policy, params, rows)
+  hidden, _ = policy.apply_hidden(params, rows.tokens[:, :-1], rows.positions[:, :-1],
+                                  segment_mask(rows.segments[:, :-1]))
+  return jnp.pad(hidden, ((0, 0), (1, 0), (0, 0)))
 
 
-def layout_logprobs(policy, params, rows: Rows, temperature=1.0):
+def layout_logprobs(policy, params, rows: Rows, temperature=1.0, chunk=LOGPROB_CHUNK):
   """-> (logp [R, L], entropy [R, L]) of every token given its prefix in its own sequence."""
-  return _logprobs(_layout_apply(policy, params, rows), rows.tokens, temperature)
+  return chunked_logprobs(policy, params, _layout_hidden(policy, params, rows), rows.tokens, temperature, chunk)
 
 
 def layout_values(critic, critic_params, rows: Rows):
   """The critic's value of the state each token is predicted from [R, L]: its head's column 0
-  (a linear value head on the final hidden state)."""
-  return _layout_apply(critic, critic_params, rows)[..., 0]
+  (a linear value head on the final hidden state), the only column computed."""
+  return critic.logits(critic_params, _layout_hidden(critic, critic_params, rows), columns=slice(0, 1))[..., 0]
 
 
 def over_layout(fn, rows: Rows):

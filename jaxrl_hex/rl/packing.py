@@ -15,7 +15,7 @@ quantities move between the [N, C] view (advantages, aggregation) and the layout
 `share_prompts=True` (GRPO-style batches, where the samples of a group share one prompt) lays
 rows out as completions only, and each micro-batch carries its groups' prompts once
 (prompt_tokens [M, K, G, P]); the trainer runs each prompt once and lets every completion of
-its group attend to the prompt's keys and values (rl.layout.shared_prompt_logits), so prompt
+its group attend to the prompt's keys and values (rl.layout.shared_prompt_hidden), so prompt
 tokens are computed once per group instead of once per sample.
 """
 import dataclasses

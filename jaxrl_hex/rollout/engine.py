@@ -139,6 +139,7 @@ class Engine:
     self.version, self.params = -1, None
     self.compile_count, self.compile_seconds = 0, 0.0
     self.decode_steps = 0  # decode steps run (each over all slots)
+    self.decode_seconds = 0.0  # wall time of those steps' programs, their outputs on the host (no prefill)
     self.tokens_generated = 0
     self.rng = jax.random.key(0)  # keys of requests submitted without one
     self._submitted = 0
@@ -158,9 +159,10 @@ class Engine:
     """Per-device bytes of the KV cache and the weights; refuses a cache that does not fit."""
     cfg = self.policy.cfg
     shard_bytes = lambda sharding, shape, dtype: int(np.prod(sharding.shard_shape(shape))) * jnp.dtype(dtype).itemsize
-    cache = cfg.n_layers * sum(
+    cache = sum(
         shard_bytes(sharding, shape, self.cache_dtype)
-        for sharding, shape in zip(self._state_shardings.cache[0], cache_shapes(cfg, self.num_slots, self.length)))
+        for entry, shapes in zip(self._state_shardings.cache, cache_shapes(cfg, self.num_slots, self.length))
+        for sharding, shape in zip(entry, shapes))
     params = sum(
         shard_bytes(sh, x.shape, x.dtype)
         for sh, x in zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
@@ -306,9 +308,12 @@ class Engine:
 
   def _decode(self, stop_on_finish: bool):
     span = self._span(self._t + self.steps_per_sync)
-    self._state, out = self._run(("decode", self.greedy, span), self._decode_fn(span), self.params, self._state,
-                                 self._live, np.bool_(stop_on_finish), host_outputs=True)
+    fn = self._compile(("decode", self.greedy, span), self._decode_fn(span), self.params, self._state, self._live,
+                       np.bool_(stop_on_finish), host_outputs=True)
+    t0 = time.perf_counter()
+    self._state, out = fn(self.params, self._state, self._live, np.bool_(stop_on_finish))
     out = to_host(out)
+    self.decode_seconds += time.perf_counter() - t0
     steps = int(out.steps)
     self.decode_steps += steps
     self.tokens_generated += int(out.emitted[:steps].sum())

@@ -23,7 +23,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.models.decoder import CACHE_AXES, CACHE_LENGTH_AXES, cache_shapes, causal_mask, init_cache, rope_tables
+from jaxrl_hex.models.decoder import cache_axes, cache_shapes, causal_mask, init_cache, map_cache, rope_tables
 from jaxrl_hex.rollout.sampling import sample
 
 
@@ -35,7 +35,7 @@ def _axes(*axes):  # a DecodeState field's logical axes, which state_shardings m
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
   """The engine's device state: S slots, each one row of a ring of T columns."""
-  cache: list  # per layer (keys, values), models.decoder's layout and axes (CACHE_AXES)
+  cache: list  # (keys, values) per layer or stacked, models.decoder's layout and axes (cache_axes)
   valid: jax.Array = _axes("batch", "length")  # [S, T] bool: the column holds a token of the slot's sequence
   col_tok: jax.Array = _axes("batch", "length")  # [S, T] int32: the column's token
   col_pos: jax.Array = _axes("batch", "length")  # [S, T] int32: its position
@@ -88,9 +88,11 @@ def init_state(cfg, slots: int, length: int, cache_dtype) -> DecodeState:
 
 def state_shardings(pool, cfg, slots: int, length: int) -> DecodeState:
   """A DecodeState of the fields' shardings on `pool`."""
-  layer = tuple(
-      pool.sharding(axes, shape, "KV cache") for axes, shape in zip(CACHE_AXES, cache_shapes(cfg, slots, length)))
-  return DecodeState(cache=[layer] * cfg.n_layers, **{k: pool.sharding(axes) for k, axes in _FIELD_AXES.items()})
+  cache = [
+      tuple(pool.sharding(a, shape, "KV cache") for a, shape in zip(axes, shapes))
+      for axes, shapes in zip(cache_axes(cfg), cache_shapes(cfg, slots, length))
+  ]
+  return DecodeState(cache=cache, **{k: pool.sharding(axes) for k, axes in _FIELD_AXES.items()})
 
 
 def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, max_new, keys, t) -> DecodeState:
@@ -118,18 +120,18 @@ def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, 
   in_prompt = filled[:, None] & (k < cached_len[:, None])
   k = jnp.minimum(k, p_len - 1)
 
-  def put(dest, values, axis=1):  # values [n, .., Pb (axis), ..] -> dest [S, .., T (axis), ..] on the prompt columns
-    picked = jnp.moveaxis(jnp.moveaxis(values, axis, 1)[row[:, None], k], 1, axis)
-    where = jnp.moveaxis(in_prompt.reshape(in_prompt.shape + (1,) * (dest.ndim - 2)), 1, axis)
-    return jnp.where(where, picked, dest)
+  def put(dest, values, axis=1, lead=0):  # values [.., n (lead), .., Pb (axis), ..] -> dest [.., S, .., T, ..]
+    # on the prompt columns; lead: the batch axis (1 in a stacked cache, after the layer axis)
+    rows = (slice(None),) * lead + (row[:, None], k)
+    picked = jnp.moveaxis(jnp.moveaxis(values, axis, lead + 1)[rows], lead + 1, axis)
+    where = in_prompt.reshape((1,) * lead + in_prompt.shape + (1,) * (dest.ndim - 2 - lead))
+    return jnp.where(jnp.moveaxis(where, lead + 1, axis), picked, dest)
 
   def per_slot(dest, values):
     return jnp.where(filled, values, dest)
 
-  cache = [
-      tuple(put(c, p, axis) for c, p, axis in zip(dest, prompt, CACHE_LENGTH_AXES))
-      for dest, prompt in zip(state.cache, kv)
-  ]
+  cache = map_cache(lambda dest, prompt, axes: put(dest, prompt, axes.index("length"), axes.index("batch")),
+                    state.cache, kv)
   budget = jnp.zeros((slots,), jnp.int32).at[slot_ids].set(max_new, mode="drop")
   pending, pos = per_slot(state.pending, tokens[row, cached_len]), per_slot(state.pos, cached_len)
   count, max_new = per_slot(state.count, 0), per_slot(state.max_new, budget)
@@ -196,7 +198,7 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
 def _narrow(state: DecodeState, span) -> DecodeState:
   """The state on ring columns [0, span) (a copy)."""
   cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, span, axis=axis)
-  return dataclasses.replace(state, cache=[tuple(map(cut, layer, CACHE_LENGTH_AXES)) for layer in state.cache],
+  return dataclasses.replace(state, cache=map_cache(lambda x, axes: cut(x, axes.index("length")), state.cache),
                              **{k: cut(getattr(state, k), 1) for k in RING_FIELDS})
 
 
@@ -204,7 +206,7 @@ def _widen(narrow: DecodeState, full: DecodeState) -> DecodeState:
   """narrow's ring columns written over full's first ones."""
   put = lambda dest, x, axis: jax.lax.dynamic_update_slice_in_dim(dest, x, 0, axis)
   return dataclasses.replace(
-      narrow, cache=[tuple(map(put, dest, layer, CACHE_LENGTH_AXES)) for dest, layer in zip(full.cache, narrow.cache)],
+      narrow, cache=map_cache(lambda dest, x, axes: put(dest, x, axes.index("length")), full.cache, narrow.cache),
       **{k: put(getattr(full, k), getattr(narrow, k), 1) for k in RING_FIELDS})
 
 

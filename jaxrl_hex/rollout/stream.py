@@ -43,12 +43,12 @@ class ChunkStream:
   def __len__(self) -> int:
     return len(self._chunks)
 
-  def advance(self, max_s: float = 0.0, group_size: int = 1) -> list:
+  def advance(self, max_s: float = 0.0, group_size: int = 1, arrived=lambda: False) -> list:
     """Hand-backs of the engine (at most steps_per_sync decode steps each) -> [(key, Rollout)] of
     the chunks they finished. One, or with max_s > 0 as many as run until a chunk finishes, the
     engine could take another group of `group_size` samples that it does not have (its slots
-    would idle), or max_s passed: a caller across a network pays its round trip per chunk, not
-    per hand-back."""
+    would idle), `arrived()` says new work waits for it elsewhere, or max_s passed: a caller
+    across a network pays its round trip per chunk, not per hand-back."""
     t0, done = time.perf_counter(), []
     while self._chunks:
       for s in self.engine.poll():
@@ -56,6 +56,6 @@ class ChunkStream:
         self._chunks[key].samples.append(s)
       done = [k for k, c in self._chunks.items() if len(c.samples) == c.batch.rows]
       hungry = not self.engine.queued and self.engine.free_slots >= group_size
-      if done or hungry or time.perf_counter() - t0 >= max_s:
+      if done or hungry or arrived() or time.perf_counter() - t0 >= max_s:
         break
     return [(k, self.engine.assemble(c.batch, c.samples)) for k, c in ((k, self._chunks.pop(k)) for k in done)]

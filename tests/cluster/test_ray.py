@@ -10,6 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
+import yaml
 from support import ROOT, SMALL, load_config
 
 from jaxrl_hex import cli
@@ -56,7 +57,7 @@ def test_two_process_trainer_matches_one_process_and_sync_preserves_values(ray_s
     local = LocalTrainSide(local_rt, str(tmp_path / "local"), False, _Quiet(), sync)
     sampler = LocalRolloutSide(local_rt, sync)
     records = [dict(r, index=i) for i, r in enumerate(local_rt.task.train[:8])]
-    batch, _ = sampler.generate(records, 4, 0, 0, local.publish())
+    batch, _, _ = sampler.generate(records, 4, 0, 0, local.publish())
     batch.rewards = np.arange(32, dtype=np.float32) % 3
     batch = rl_batch(batch)
     want, got = local.step(batch), train.step(batch)
@@ -85,7 +86,7 @@ def test_two_process_trainer_matches_one_process_and_sync_preserves_values(ray_s
     pending = worker.generate.remote(many, 8, 0, 1, handle)  # started on version 1
     ray.get(worker.offer.remote(newer), timeout=60)  # served beside the running generate
     assert not ray.wait([pending], timeout=0)[0], "generation ended before the offer: make it longer"
-    out, _ = ray.get(pending)
+    out, _, _ = ray.get(pending)
     versions = set(out.versions[out.completion_mask].tolist())
     assert versions <= {1, 2} and 2 in versions
   finally:
@@ -202,6 +203,38 @@ def test_killed_trainer_stops_the_run_and_resume_finishes_it_exactly(warm_workdi
 
 
 MIXED_MESH = os.path.join(ROOT, "meshes", "cpu-mixed.yaml")
+MIXED_CLUSTER = os.path.join(ROOT, "meshes", "cluster-cpu-mixed.yaml")
+MIXED_PLAN = os.path.join(ROOT, "meshes", "plan-cpu-mixed-tiny.yaml")
+
+
+def test_the_planners_plan_for_this_machine_runs_through_train(ray_session, warm_workdir, tmp_path):
+  """`jaxrl-hex plan` on the cluster file describing this machine, then `jaxrl-hex train` on what
+  it wrote, unchanged: the plan's pools, replica groups, pinning and batch."""
+  plan = tmp_path / "plan.yaml"
+  assert cli.main(["plan", "--cluster", MIXED_CLUSTER, "--model", "tiny", "--out", str(plan)]) == 0
+  written = yaml.safe_load(plan.read_text())
+  assert written == yaml.safe_load(open(MIXED_PLAN)), "meshes/plan-cpu-mixed-tiny.yaml is the planner's output"
+  workdir = tmp_path / "run"
+  steps = 2
+  assert cli.main([
+      "train", f"--workdir={workdir}", f"--config.init_from={warm_workdir}", f"--config.mesh_file={plan}",
+      "--config.cluster.backend=ray", "--config.sync.method=direct", f"--config.train.steps={steps}",
+      "--config.train.eval_every=100", "--config.train.eval_size=16"
+  ]) == 0
+  from jaxrl_hex.meshes import load_mesh_file
+  workload = written["plan"]["workload"]
+  replicas = load_mesh_file(str(plan)).pools["rollout"].replica_specs()  # each its own runtime
+  rows = [r for r in read_jsonl(workdir / "metrics.jsonl") if r.get("phase") == "train" and "batch" in r]
+  assert len(rows) == steps
+  for r in rows:  # the plan's batch, spread over every replica
+    assert len(r["prompt_ids"]) == workload["batch_size"]
+    assert len(r["rollout_replicas"]) == len(replicas)
+    assert sum(x["prompts"] for x in r["rollout_replicas"]) == workload["batch_size"]
+  cluster = json.load(open(workdir / "cluster.json"))
+  processes = [p for g in cluster["rollout"]["groups"] for p in g["processes"]]
+  assert [(p["device_type"], p["mesh"], p["cores"]) for p in processes
+         ] == [(s.device_type, dict(s.axes), list(s.affinity)) for s in replicas]
+  assert [p["cores"] for p in cluster["train"]["processes"]] == [written["pools"]["train"]["affinity"]]
 
 
 def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers_weights(
@@ -251,6 +284,15 @@ def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers
       assert sum(s["prompts"] for s in chunks if s["batch"] == k) == SMALL["rollout.prompts_per_step"]
     routes = [s for s in spans if s["kind"] == "route"]
     assert len(routes) == steps and all(len(s["replicas"]) == 3 for s in routes)
+    for r, route in zip(rows, sorted(routes, key=lambda s: s["batch"])):  # each batch's routing in its row
+      assert [(x["replica"], x["group"]) for x in r["rollout_replicas"]] == [(0, 0), (1, 1), (2, 1)]
+      assert [x["prompts"] for x in r["rollout_replicas"]] == [x["prompts"] for x in route["replicas"]]
+      assert sum(x["prompts"] for x in r["rollout_replicas"]) == SMALL["rollout.prompts_per_step"]
+      assert sum(x["tokens"] for x in r["rollout_replicas"]) > 0
+      fastest = [x for x in route["replicas"] if x["group"] == r["rollout_fastest_group"]]
+      window = route["end"] - route["start"]
+      assert r["rollout_fastest_idle_share"] == pytest.approx(
+          sum(x["idle_s"] for x in fastest) / (len(fastest) * window), rel=1e-4)
     assert {s["group"] for s in spans if s["kind"] == "receive"} == {0, 1}
     assert all(s["bytes"] > 0 for s in spans if s["kind"] == "receive")
 
@@ -268,7 +310,8 @@ def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers
     }, 2, rollout.slots[1])]
     last = {r["replica"]: r["decoded"] for r in routes[-1]["replicas"]}
     assert all(last[i]["slot_steps"] > 0 and 0 < last[i]["tokens"] <= last[i]["slot_steps"] for i in range(3))
-    step_s = last[0]["gen_s"] / (last[0]["slot_steps"] / rollout.slots[0])
+    assert all(0 < last[i]["decode_s"] < last[i]["gen_s"] for i in range(3))  # prefill and host work are no decode
+    step_s = last[0]["decode_s"] / (last[0]["slot_steps"] / rollout.slots[0])
     assert decoding[0]["decode_tokens_per_s"] == pytest.approx(rollout.slots[0] / step_s)
 
     # the newest weights onto every layout: equal to the trainer's, value for value

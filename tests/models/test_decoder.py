@@ -129,3 +129,21 @@ def test_sliding_window_changes_what_long_sequences_see():
 def test_model_config_refuses_what_the_decoder_cannot_do(field, value, message):
   with pytest.raises(ValueError, match=message):
     model_config(**dict(GEMMA_LIKE, **{field: value}))
+
+
+@pytest.mark.parametrize("cfg", [CFG, GEMMA_LIKE], ids=["untied", "tied_softcap"])
+def test_hidden_states_through_the_head_are_apply_logits(cfg):
+  """apply_hidden then logits (whole, or a slice of the vocabulary, as the trainer's chunked
+  logprobs and the critic read them) is apply, to the bit."""
+  policy = Policy.build(cfg)
+  params = policy.init(0)
+  tokens = jax.random.randint(jax.random.key(5), (2, 7), 3, 32)
+  args = (tokens, jnp.broadcast_to(jnp.arange(7), (2, 7)), causal_mask(jnp.ones((2, 7), bool)))
+  logits, _ = policy.apply(params, *args)
+  hidden, _ = policy.apply_hidden(params, *args)
+  assert hidden.shape == (2, 7, 32) and hidden.dtype == jnp.float32
+  np.testing.assert_array_equal(policy.logits(params, hidden), logits)
+  np.testing.assert_allclose(policy.logits(params, hidden[:, 2:5]), logits[:, 2:5], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(policy.logits(params, hidden, columns=slice(0, 1)), logits[..., :1], rtol=1e-6, atol=1e-6)
+  if cfg.final_logit_softcap:
+    assert np.abs(np.asarray(logits)).max() <= cfg.final_logit_softcap

@@ -30,6 +30,26 @@ def test_logits_and_greedy_tokens_match_transformers(family, placement, tiny_hf,
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_scanned_layers_load_stacked_match_transformers_and_export_exactly(family, tiny_hf, pools, tmp_path):
+  path, _, ids, logits, greedy = tiny_hf(family)
+  model = from_hf(path, mesh=pools["train"], scan_layers=True)
+  n = model.cfg.n_layers
+  wq = model.decoder.layers.attn.wq[...]  # [L, embed, heads, head_dim], layer axis whole on each device
+  assert wq.shape[0] == n and len(wq.sharding.device_set) == 4 and wq.sharding.spec[0] is None
+  ref = SafetensorsDir(path).read(f"model.layers.{n - 1}.mlp.up_proj.weight", (slice(None), slice(None)))
+  np.testing.assert_array_equal(np.asarray(model.decoder.layers.mlp.up[...][n - 1]), ref.T)
+  np.testing.assert_allclose(np.asarray(model(ids)), logits, atol=1e-4, rtol=0)
+  np.testing.assert_array_equal(np.asarray(model.generate(ids, 32)), greedy)
+  to_hf(model, str(tmp_path))  # unstacked again, bit for bit
+  before, after = SafetensorsDir(path), SafetensorsDir(str(tmp_path))
+  assert set(before.entries) == set(after.entries)
+  for name, e in before.entries.items():
+    full = tuple(slice(None) for _ in e.shape)
+    np.testing.assert_array_equal(after.read(name, full).view(np.uint8), before.read(name, full).view(np.uint8))
+  assert hf_model_config(str(tmp_path)) == hf_model_config(path)  # scan_layers is ours, not config.json's
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_config_and_layouts_cover_every_tensor_exactly(family, tiny_hf):
   path = tiny_hf(family)[0]
   cfg = hf_model_config(path)

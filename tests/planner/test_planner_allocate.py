@@ -114,10 +114,9 @@ def test_areal_hex_at_512_sequences_trains_on_two_whole_hosts():
   cfg = load_model("qwen2_7b")[1]
   plans = {name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml")) for name in ("hex", "h800")}
   mix = plans["hex"]
-  assert mix.train.layout == cm.TrainLayout(2, 8, 1) and mix.idle == {"H800": 8, "H20": 8}
-  assert [(g.option.replica.device_type, g.option.replica.tensor, g.count, g.assigned) for g in mix.groups] == [
-      ("H20", 2, 8, 512)  # 8 prompts (64 sequences) on each replica
-  ]
+  assert mix.train.layout == cm.TrainLayout(2, 8, 1) and mix.idle.get("H800") == 8
+  assert {g.option.replica.device_type for g in mix.groups} == {"H20"}
+  assert sum(g.assigned for g in mix.groups) == 512 and all(g.assigned % 8 == 0 for g in mix.groups)  # whole prompts
   assert mix.gen_tokens_per_s >= plans["h800"].gen_tokens_per_s * (1 - 1e-9)
   assert mix.usd_per_mtok < 0.8 * plans["h800"].usd_per_mtok
 

@@ -66,3 +66,46 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
   assert "'hbm_gb'" in capsys.readouterr().err
   assert simulate_main(["--plan", str(cluster)]) == 2
   assert "plan.sim" in capsys.readouterr().err
+
+
+def test_a_cpu_cluster_pinned_to_cores_plans_pinned_pools_and_a_written_plan_is_repredicted(tmp_path):
+  """meshes/cluster-cpu-mixed.yaml: an inline catalog entry, each type pinned to its cores; the plan
+  pins every pool to its type's cores, and predict_written gives a written plan's figures back
+  (and new ones on a refitted catalog layered over the cluster's own)."""
+  import pathlib
+
+  import pytest
+
+  from jaxrl_hex.planner import PlanError, allocate
+  from jaxrl_hex.planner.model_files import load_model
+  root = pathlib.Path(__file__).parents[2]
+  path = str(root / "meshes/cluster-cpu-mixed.yaml")
+  cluster = allocate.load_cluster(path)
+  assert cluster.cores == {"cpu": [0], "cpu-half": [1]} and cluster.catalog["cpu-half"].bf16_tflops == 0.1
+  out = tmp_path / "plan.yaml"
+  assert plan_main(["--cluster", path, "--model", "tiny", "--out", str(out)]) == 0
+  mesh = yaml.safe_load(out.read_text())
+  pools = mesh["pools"]
+  assert pools["train"]["affinity"] == cluster.cores[pools["train"]["device_type"]]
+  rollout = pools["rollout"]
+  for g in rollout.get("replicas", []):  # a fleet's groups, or the one rollout mesh
+    assert g["affinity"] == [cluster.cores[g["device_type"]]] * g["count"]
+  if "replicas" not in rollout:
+    assert rollout["affinity"] == cluster.cores[rollout["device_type"]]
+
+  name, cfg = load_model("tiny")
+  again = allocate.predict_written(cfg, cluster, mesh, name)
+  assert round(again.rollout_s, 4) == mesh["plan"]["predicted"]["rollout_s"]
+  assert round(again.step_s, 4) == mesh["plan"]["predicted"]["step_s"]
+  slower = tmp_path / "fitted.yaml"  # a calibrate overlay for the inline type: on top of the cluster's catalog
+  slower.write_text("devices:\n  cpu: {rollout_eff: 0.1}\n  cpu-half: {train_mfu: 0.1}\n")
+  refit = allocate.predict_written(cfg, allocate.load_cluster(path, slower), mesh, name)
+  assert refit.rollout_s > again.rollout_s and refit.train.step_s > again.train.step_s
+
+  bad = tmp_path / "cluster-bad.yaml"
+  for entry, match in (("{type: H100, count: 8, cores: [0]}", "cores pins simulated cpu devices"),
+                       ("{type: cpu, count: 2, cores: 0}", "cores must be a list of core numbers"),
+                       ("{type: cpu, count: 2, core: [0]}", r"unknown key\(s\) \['core'\]")):
+    bad.write_text(f"cluster:\n  - {entry}\n")
+    with pytest.raises(PlanError, match=match):
+      allocate.load_cluster(bad)

@@ -84,3 +84,17 @@ def test_after_warmup_a_stream_of_any_split_compiles_nothing(setup):
     stream.advance()
   _drain(stream)
   assert engine.compile_count == compiled
+
+
+def test_arrived_work_ends_a_long_advance_at_the_next_hand_back(setup):
+  """A routed replica's call runs hand-backs for up to max_s; work that arrives for it elsewhere
+  (arrived()) ends the call after the hand-back in progress, so the caller can queue it."""
+  engine = setup()
+  stream = ChunkStream(engine)
+  stream.submit(0, PROMPTS[:2], GROUP, jax.random.key(1))  # 4 samples on 4 slots: full, nothing queued
+  steps = engine.decode_steps
+  assert stream.advance(max_s=60.0, group_size=GROUP, arrived=lambda: True) == []
+  assert engine.decode_steps - steps == engine.steps_per_sync  # one hand-back, not 60 s of them
+  steps = engine.decode_steps
+  done = stream.advance(max_s=60.0, group_size=GROUP)  # nothing arrives: on until the chunk is done
+  assert [k for k, _ in done] == [0] and engine.decode_steps - steps > engine.steps_per_sync
