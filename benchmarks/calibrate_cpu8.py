@@ -52,6 +52,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
 README = ROOT / "benchmarks" / "README.md"
 BEGIN, END = "<!-- cpu8-calibration:begin -->", "<!-- cpu8-calibration:end -->"
+# what cpu-8's train and decode records fit (a batch overhead needs synchronous Ray runs: fleet_plan.py)
+FIELDS = tuple(f for f in EFFICIENCY_FIELDS if f != "rollout_overhead_s")
 
 TINY = load_config_file(str(ROOT / "configs" / "arith_grpo.py")).model.to_dict()  # the default arith model
 MEDIUM = dict(TINY, vocab_size=512, d_model=256, n_layers=4, head_dim=64, mlp_dim=1024)  # 4.1M params (tiny: 124k)
@@ -198,7 +200,7 @@ def fit(records, catalog=None) -> dict:
       errs = [row["error_after"] for row in rows if row["pool"] == pool and row["held_out"] == held]
       if errs:
         summary[f"{pool}_{'held_out' if held else 'in_sample'}"] = {"max": max(errs), "mean": sum(errs) / len(errs)}
-  before = {f: getattr(catalog["cpu"], f) for f in EFFICIENCY_FIELDS}
+  before = {f: getattr(catalog["cpu"], f) for f in FIELDS}
   return {"overlay": overlay, "before": before, "rows": rows, "error_after": summary}
 
 
@@ -216,7 +218,7 @@ def table(result) -> str:
     what = key.replace("_", " ", 1).replace("_", "-")
     lines.append(f"- {what} error after calibration: mean {e['mean']:.0%}, max {e['max']:.0%}")
   for label, factors in (("catalog before", result["before"]), ("fitted", result["overlay"]["devices"]["cpu"])):
-    lines.append(f"- {label}: " + ", ".join(f"{k} {factors[k]:.4g}" for k in EFFICIENCY_FIELDS))
+    lines.append(f"- {label}: " + ", ".join(f"{k} {factors[k]:.4g}" for k in FIELDS))
   return "\n".join(lines)
 
 
@@ -224,10 +226,9 @@ def write_catalog(factors, note, path=CATALOG_PATH):
   """Replaces the efficiency lines of the catalog's `cpu` entry (only that entry)."""
   text = path.read_text()
   entry = re.search(r"^  cpu:\n(?:    .*\n?)*", text, flags=re.M)  # up to the first line not indented 4
-  pattern = r"(    # fitted by benchmarks/calibrate_cpu8\.py.*\n)?" + "".join(
-      rf"    {f}: .*\n?" for f in EFFICIENCY_FIELDS)
+  pattern = r"(    # fitted by benchmarks/calibrate_cpu8\.py.*\n)?" + "".join(rf"    {f}: .*\n?" for f in FIELDS)
   lines = f"    # fitted by benchmarks/calibrate_cpu8.py {note}\n" + "".join(
-      f"    {f}: {factors[f]:.4g}\n" for f in EFFICIENCY_FIELDS)
+      f"    {f}: {factors[f]:.4g}\n" for f in FIELDS)
   block, n = re.subn(pattern, lambda _: lines, entry.group(0)) if entry else ("", 0)
   if n != 1:
     raise SystemExit(f"{path}: the cpu entry's efficiency lines are not where expected; edit by hand")

@@ -34,12 +34,37 @@ def _median(rows, key):
   return float(np.median(values)) if values else None
 
 
+def _batch_record(routes, gi, g, slots, r, prompt_len, rows, model, mesh_file, workdir) -> dict:
+  """Group gi's part of a synchronous step: per batch (the first, warm-up, left out) its busiest
+  replica's prompts and busy seconds, the medians over batches."""
+  busiest = [max((rep for rep in s["replicas"] if rep["group"] == gi), key=lambda rep: rep["busy_s"]) for s in routes]
+  return {
+      "pool": "rollout_batch",
+      "device_type": g.device_type or mesh_file.platform,
+      "devices": g.devices,
+      "mesh": {
+          "data": g.axes.get("data", 1),
+          "tensor": g.axes.get("tensor", 1)
+      },
+      "model": model,
+      "sequences": int(np.median([rep["prompts"] for rep in busiest])) * r.group_size,
+      "group_size": r.group_size,
+      "prompt_len": prompt_len,
+      "output_mean": _median(rows, "response_length_mean"),
+      "output_max": r.max_new_tokens,
+      "slots": slots,
+      "seconds": float(np.median([rep["busy_s"] for rep in busiest])),
+      "run": workdir,
+  }
+
+
 def run_records(workdir: str) -> list:
   """Calibration records of one run: its train step, and its decoding per rollout replica group.
   The first train step (compiles) is left out. On the Ray backend (route spans) a group is timed
   by its replicas' decode step time (the decode programs alone, as the cost model's step is);
   a local run's one rollout runtime by its batches' generation as the run saw it (prefill and
-  partly filled slots included)."""
+  partly filled slots included). A synchronous Ray run (train.max_staleness=0) also gives each
+  group's batch time (rollout_batch: its rollout overhead beyond prefill and decode)."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path) or not os.path.exists(os.path.join(workdir, "config.json")):
     raise UserError(f"calibrate: {workdir} has no metrics.jsonl and config.json; pass the workdir of a train run")
@@ -70,12 +95,13 @@ def run_records(workdir: str) -> list:
   prompt_len = float(np.mean([len(task.tokenizer.encode(p["prompt"])) + 1 for p in prompts]))
   context = prompt_len + _median(rows, "response_length_mean") / 2  # mean length while decoding
   rollout = mesh_file.pools["rollout"]
-  last = {}  # per replica of a Ray rollout side, its "decoded" counts since the start (the last route span)
   spans = os.path.join(workdir, "spans.jsonl")
-  for span in read_jsonl(spans) if os.path.exists(spans) else []:
-    if span["kind"] == "route":
-      for rep in span["replicas"]:
-        last[rep["replica"]] = rep
+  routes = sorted((s for s in (read_jsonl(spans) if os.path.exists(spans) else []) if s["kind"] == "route"),
+                  key=lambda s: s["batch"])
+  last = {}  # per replica of a Ray rollout side, its "decoded" counts since the start (the last route span)
+  for span in routes:
+    for rep in span["replicas"]:
+      last[rep["replica"]] = rep
   if last:  # Ray: per replica group (one mesh's replicas are one group), its replicas' decode step time
     groups = rollout.groups or [ReplicaGroup(rollout.device_type, rollout.replicas, dict(rollout.axes))]
     for gi, g in enumerate(groups):
@@ -100,6 +126,8 @@ def run_records(workdir: str) -> list:
           "decode_tokens_per_s": slots * g.count / step_s,  # every slot of every replica, per step
           "run": workdir,
       })
+      if cfg.train.max_staleness == 0 and len(routes) > 1:  # synchronous: a batch's time is its own
+        out.append(_batch_record(routes[1:], gi, g, slots, r, prompt_len, rows, model, mesh_file, workdir))
   else:
     data = rollout.axes.get("data", 1) * rollout.axes.get("fsdp", 1)
     out.append({

@@ -7,7 +7,7 @@ runtime accepts (batch, heads, KV heads, MLP, vocab and d_model divide). The rol
 AReaL-Hex MILP over replica configurations psi: integer replica counts y_psi and prompt
 assignments x_psi (each prompt is a group of G sequences that stays on one replica) with
 sum x = batch_size and s_psi + time_psi(G x_psi / y_psi) <= Theta, where s_psi is the replica's
-weight-receive pause and
+weight-receive pause plus its fixed per-step batch overhead (catalog rollout_overhead_s) and
 time_psi(n) = max(a + b*n, c*n) (cost_model.Replica.load_coeffs; c*n is the paper's
 n*len/h_psi at full concurrency, a + b*n covers replicas the staleness gate cannot fill).
 Multiplied by y_psi, both pieces are linear for a fixed Theta, so the makespan is minimised
@@ -120,11 +120,17 @@ class Option:
   coeffs: tuple  # (a, b, c): seconds to generate n sequences = max(a + b*n, c*n)
   recv_s: float
   price_per_hour: float
+  overhead_s: float = 0.0  # the replica's batch overhead per step (cost_model.Replica.batch_overhead_s)
+
+  @property
+  def fixed_s(self) -> float:
+    """A replica's seconds per step whatever its load: the weight receive and its batch overhead."""
+    return self.recv_s + self.overhead_s
 
   def seconds(self, n, y):
-    """Makespan of y replicas sharing n sequences, weight receive included."""
+    """Makespan of y replicas sharing n sequences, weight receive and batch overhead included."""
     a, b, c = self.coeffs
-    return self.recv_s + max(a + b * n / y, c * n / y)
+    return self.fixed_s + max(a + b * n / y, c * n / y)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +207,7 @@ class Problem:
     src = self.devs[train.device_type]
     return [
         Option(r, r.load_coeffs(self.w), cm.sync_recv_time(self.m, r.tensor, self._sync_bw(src, self.devs[k])),
-               r.tensor * self.devs[k].price_per_hour) for k in limits for r in self.replicas[k]
+               r.tensor * self.devs[k].price_per_hour, r.batch_overhead_s) for k in limits for r in self.replicas[k]
         if r.tensor <= limits[k]
     ]
 
@@ -347,13 +353,13 @@ class RolloutMILP:
     self.price = np.array([o.price_per_hour + DEVICE_TIEBREAK * o.replica.tensor for o in options])
     self.y_max = np.array([limits[o.replica.device_type] // o.replica.tensor for o in options], float)
     self.a, self.b, self.c = (np.array(v) for v in zip(*(o.coeffs for o in options)))
-    self.recv = np.array([o.recv_s for o in options])
+    self.fixed = np.array([o.fixed_s for o in options])
     # Fluid bound: every chip of a type at its best saturated per-chip rate.
     per_chip = {}
     for o, c in zip(options, self.c):
       t = o.replica.device_type
       per_chip[t] = max(per_chip.get(t, 0), 1 / (c * o.replica.tensor))
-    self.theta_lo = self.recv.min() + sequences / sum(limits[t] * v for t, v in per_chip.items())
+    self.theta_lo = self.fixed.min() + sequences / sum(limits[t] * v for t, v in per_chip.items())
 
   def min_price(self, theta, price_cap=math.inf):
     """Cheapest y with makespan <= theta (and price <= cap), or None if infeasible."""
@@ -361,13 +367,14 @@ class RolloutMILP:
     # s + max(a + b*n/y, c*n/y) <= theta for n = G*x sequences, times y:
     # b*G*x - (theta - s - a)*y <= 0, c*G*x - (theta - s)*y <= 0.
     rows = np.vstack([
-        np.hstack([-np.diag(theta - self.recv - self.a), np.diag(self.b * self.G)]),
-        np.hstack([-np.diag(theta - self.recv), np.diag(self.c * self.G)])
+        np.hstack([-np.diag(theta - self.fixed - self.a),
+                   np.diag(self.b * self.G)]),
+        np.hstack([-np.diag(theta - self.fixed), np.diag(self.c * self.G)])
     ])
     cons = self.base + [LinearConstraint(rows, -np.inf, 0)]
     if math.isfinite(price_cap):
       cons.append(LinearConstraint(np.r_[self.price, np.zeros(k)][None], -np.inf, price_cap))
-    y_max = np.where(theta - self.recv - self.a > 0, self.y_max, 0)
+    y_max = np.where(theta - self.fixed - self.a > 0, self.y_max, 0)
     res = milp(np.r_[self.price, np.zeros(k)], constraints=cons, integrality=np.ones(2 * k),
                bounds=Bounds(np.zeros(2 * k), np.r_[y_max, np.full(k, self.P)]))
     if res.x is None:
@@ -479,7 +486,7 @@ def _cost_floor(p, train, opts, theta_from):
   """
   w = p.w
   rho = min(o.price_per_hour * o.coeffs[2] for o in opts)
-  s = min(o.recv_s for o in opts)
+  s = min(o.fixed_s for o in opts)
   k = rho * w.sequences
   points = [theta_from, train.step_s - w.reward_s]
   if train.price_per_hour > 0 and k > 0:

@@ -8,8 +8,15 @@ Measured-run JSON (one record, a list of records, or {"records": [...]} per file
   {"pool": "rollout", "device_type": "cpu", "devices": 4, "mesh": {"data": 2, "tensor": 2},
    "model": ..., "batch": 32, "context": 40, "decode_tokens_per_s": 30000.0}
 
+  {"pool": "rollout_batch", "device_type": "cpu", "devices": 1, "mesh": {"data": 1, "tensor": 1},
+   "model": ..., "sequences": 88, "group_size": 8, "prompt_len": 9, "output_mean": 3.6,
+   "output_max": 6, "slots": 88, "seconds": 0.045}
+
 `batch` is the sequences one replica decodes together, `context` their mean length during the
-measurement; `decode_tokens_per_s` is summed over the pool's `data` replicas.
+measurement; `decode_tokens_per_s` is summed over the pool's `data` replicas. A rollout_batch
+record is one replica's part of a synchronous step (its `sequences` of a batch in `seconds`):
+what the cost model's prefill and decode do not explain of it is the type's rollout_overhead_s,
+fitted after its decode factors.
 
 The cost model predicts time = sum of roofline parts / their efficiencies + comm + overhead
 (train: one part; decode: weight matmuls and attention), linear in (1/efficiency..., overhead),
@@ -30,11 +37,16 @@ from jaxrl_hex.planner.model_files import load_model
 FIELDS = {
     "train": ("device_type", "devices", "mesh", "model", "seq_len", "tokens_per_step", "tokens_per_s"),
     "rollout": ("device_type", "devices", "mesh", "model", "batch", "context", "decode_tokens_per_s"),
+    # a replica's part of a synchronous step: `sequences` of one batch (group_size per prompt) in
+    # `seconds`, prefill, decode and whatever else the replica spends on a batch
+    "rollout_batch": ("device_type", "devices", "mesh", "model", "sequences", "group_size", "prompt_len", "output_mean",
+                      "output_max", "slots", "seconds"),
 }
 # (efficiency fields, one per roofline part of TimeParts, overhead field) in the catalog for each pool.
 FACTORS = {
     "train": (("train_mfu",), "train_overhead_s"),
-    "rollout": (("rollout_eff", "attention_eff"), "decode_overhead_s")
+    "rollout": (("rollout_eff", "attention_eff"), "decode_overhead_s"),
+    "rollout_batch": ((), "rollout_overhead_s"),  # after "rollout": the rest of a batch's time
 }
 PARTS = ("roofline_s", "attention_s")  # the roofline parts the efficiency fields divide, in order
 
@@ -82,6 +94,15 @@ def predict(rec, dev):
   tensor, replicas = mesh.get("tensor", 1), mesh.get("data", 1)
   if tensor * replicas != rec["devices"]:
     raise PlanError(f"rollout record on {rec['devices']} devices has mesh {mesh} of {tensor * replicas}")
+  if rec["pool"] == "rollout_batch":  # the planner's time for the replica's sequences (as comm_s) + the overhead
+    w = cm.Workload(batch_size=1, group_size=rec["group_size"], prompt_len=rec["prompt_len"],
+                    output_mean=rec["output_mean"], output_max=rec["output_max"], eta=0, max_concurrency=rec["slots"])
+    r = cm.replica(m, dev, tensor, w)
+    if r is None:
+      raise PlanError(f"rollout_batch record: one sequence does not fit a {dev.name} replica at tensor {tensor}")
+    a, b, c = r.load_coeffs(w)
+    n = rec["sequences"]
+    return rec["seconds"], cm.TimeParts(0.0, max(a + b * n, c * n), 1.0, dev.rollout_overhead_s)
   per_replica = rec["decode_tokens_per_s"] / replicas
   return rec["batch"] / per_replica, cm.decode_time(m, dev, tensor, rec["batch"], rec["context"])
 
@@ -94,16 +115,20 @@ def calibrate(records, catalog) -> tuple:
     if rec["device_type"] not in catalog:
       raise PlanError(f"measured record: unknown device_type '{rec['device_type']}'; add it to the catalog")
     groups.setdefault((rec["device_type"], rec["pool"]), []).append(rec)
-  for (kind, pool), recs in groups.items():
-    dev = catalog[kind]
+  order = list(FACTORS)  # a batch record's model time uses its type's fitted decode factors
+  for (kind, pool), recs in sorted(groups.items(), key=lambda kv: order.index(kv[0][1])):
+    dev = dataclasses.replace(catalog[kind], **overlay.get(kind, {}))
     rows = [predict(r, dev) for r in recs]
     measured = np.array([t for t, _ in rows])
     eff_fields, over_field = FACTORS[pool]
     per_unit = np.array([predict(r, dataclasses.replace(dev, **{over_field: 1.0}))[1].overhead_s for r in recs])
     parts = np.array([[getattr(p, part) for part in PARTS[:len(eff_fields)]] for _, p in rows])  # [records, parts]
-    target = (measured - np.array([p.comm_s for _, p in rows])) / measured
-    effs, overhead = _fit(parts, per_unit, measured, target, [getattr(dev, f) for f in eff_fields],
-                          getattr(dev, over_field))
+    comm = np.array([p.comm_s for _, p in rows])
+    if not eff_fields:  # an overhead alone: what the model leaves of the measured time, on average
+      effs, overhead = [], max(float(np.mean((measured - comm) / per_unit)), 0.0)
+    else:
+      effs, overhead = _fit(parts, per_unit, measured, (measured - comm) / measured,
+                            [getattr(dev, f) for f in eff_fields], getattr(dev, over_field))
     overlay[kind] = dict(overlay.get(kind, {}), **dict(zip(eff_fields, effs)), **{over_field: overhead})
   return {"devices": overlay}, error_report(records, catalog, {"devices": overlay})
 

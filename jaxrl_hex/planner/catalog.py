@@ -19,7 +19,8 @@ SPEC_FIELDS = {
     "price_per_hour": "USD per chip-hour",
     "chips_per_host": "chips in one host",
 }
-EFFICIENCY_FIELDS = ("train_mfu", "rollout_eff", "attention_eff", "train_overhead_s", "decode_overhead_s")
+EFFICIENCY_FIELDS = ("train_mfu", "rollout_eff", "attention_eff", "train_overhead_s", "decode_overhead_s",
+                     "rollout_overhead_s")
 # Optional: the chip counts a slice of this type comes in (TPU topologies); a TPU runtime larger than
 # one host must be one of them. Without the field a TPU type takes powers of two.
 SLICE_FIELD = "slice_chips"
@@ -42,6 +43,7 @@ class Device:
   attention_eff: float
   train_overhead_s: float
   decode_overhead_s: float
+  rollout_overhead_s: float  # fixed seconds per step a replica spends on a batch beyond its prefill and decode
   slice_chips: tuple = ()  # TPU: the slice sizes the type comes in (catalog `slice_chips`)
 
   @property
@@ -136,7 +138,7 @@ def _device(name, fields, path) -> Device:
     except (TypeError, ValueError):
       raise PlanError(f"catalog entry '{name}' in {path}: field '{field}' must be a number, "
                       f"got {fields[field]!r}") from None
-    positive = field not in ("price_per_hour", "train_overhead_s", "decode_overhead_s")
+    positive = field not in ("price_per_hour", "train_overhead_s", "decode_overhead_s", "rollout_overhead_s")
     if values[field] < 0 or (positive and values[field] == 0):
       raise PlanError(f"catalog entry '{name}' in {path}: field '{field}' must be "
                       f"{'> 0' if positive else '>= 0'}, got {fields[field]!r}")

@@ -120,6 +120,7 @@ def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, altern
               "step_per_seq_s": g.option.replica.step_per_seq_s,
               "prefill_s": g.option.replica.prefill.total_s,
               "recv_s": g.option.recv_s,
+              "overhead_s": g.option.overhead_s,
               "tokens_per_s": round(g.option.replica.tokens_per_s(w), 1),
               "assigned": g.assigned,
               "share": g.share(w.sequences)

@@ -212,6 +212,7 @@ class Replica:
   prefill: TimeParts  # one prompt; it stalls the replica's decoding
   step_fixed_s: float
   step_per_seq_s: float
+  batch_overhead_s: float = 0.0  # per step, beside prefill and decode (catalog rollout_overhead_s)
 
   def load_coeffs(self, w: Workload):
     """(a, b, c) with: time for one replica to generate n sequences of one step = max(a + b*n, c*n).
@@ -282,7 +283,8 @@ def replica(m: ModelCost, dev, tensor: int, w: Workload):
   context = w.prompt_len + w.output_mean / 2  # a running sequence is half-way on average
   one, full = (decode_time(m, dev, tensor, c, context).total_s for c in (1, slots))
   per_seq = (full - one) / (slots - 1) if slots > 1 else 0.0
-  return Replica(dev.name, tensor, slots, prefill_time(m, dev, tensor, w.prompt_len), one - per_seq, per_seq)
+  return Replica(dev.name, tensor, slots, prefill_time(m, dev, tensor, w.prompt_len), one - per_seq, per_seq,
+                 dev.rollout_overhead_s)
 
 
 def tensor_degrees(dev):

@@ -26,6 +26,7 @@ class ReplicaSpec:
   step_per_seq_s: float
   prefill_s: float
   recv_s: float
+  overhead_s: float = 0.0  # per step, beside prefill and decode (older plan files: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +44,8 @@ class SimSpec:
       sim = plan["sim"]
       replicas = tuple(
           ReplicaSpec(g["device_type"], int(g["tensor"]), int(g["slots"]), float(g["step_fixed_s"]),
-                      float(g["step_per_seq_s"]), float(g["prefill_s"]), float(g["recv_s"])) for g in sim["replicas"]
-          for _ in range(int(g["count"])))
+                      float(g["step_per_seq_s"]), float(g["prefill_s"]), float(g["recv_s"]),
+                      float(g.get("overhead_s", 0.0))) for g in sim["replicas"] for _ in range(int(g["count"])))
       return cls(Workload.from_dict(plan["workload"], f"{where}: plan.workload"), float(sim["train_fixed_s"]),
                  float(sim["train_per_token_s"]), replicas)
     except (KeyError, TypeError) as e:
@@ -203,9 +204,9 @@ def simulate(spec: SimSpec, steps=30, seed=0) -> SimResult:
       step_ends.append(now)
       if len(step_ends) > 1:
         gen_after_first += payload
-      for i, r in enumerate(replicas):  # publish: every replica pauses to receive its shard
+      for i, r in enumerate(replicas):  # publish: every replica pauses to receive its shard, then its per-step overhead
         sync[i].append((now, now + r.spec.recv_s))
-        r.pause(now, r.spec.recv_s)
+        r.pause(now, r.spec.recv_s + r.spec.overhead_s)
         schedule(i, now)
       admit(now)
       try_train(now)

@@ -69,8 +69,9 @@ def test_scanned_layers_shard_like_unrolled_ones(pools):
 def test_scanned_logits_cache_and_gradients_equal_unrolled(fields):
   flat, scanned, params, stacked = pair(fields)
   tokens, positions, valid = batch()
-  full, _ = flat.apply(params, tokens, positions, causal_mask(valid))
-  np.testing.assert_allclose(scanned.apply(stacked, tokens, positions, causal_mask(valid))[0], full, atol=1e-5)
+  logits = lambda policy: jax.jit(lambda p: policy.apply(p, tokens, positions, causal_mask(valid))[0])
+  full = logits(flat)(params)
+  np.testing.assert_allclose(logits(scanned)(stacked), full, atol=1e-5)
 
   def cached(policy, params):  # prefill 6 tokens, then decode one at a time
     prefix, n = 6, tokens.shape[1]
@@ -84,8 +85,9 @@ def test_scanned_logits_cache_and_gradients_equal_unrolled(fields):
       steps.append(logits)
     return jnp.concatenate(steps, 1), cache
 
-  flat_logits, flat_cache = cached(flat, params)
-  scan_logits, scan_cache = cached(scanned, stacked)
+  # jitted: one compile per program instead of one per op (the suite's time is compiles)
+  flat_logits, flat_cache = jax.jit(lambda p: cached(flat, p))(params)
+  scan_logits, scan_cache = jax.jit(lambda p: cached(scanned, p))(stacked)
   assert len(scan_cache) == 1 and scan_cache[0][0].shape == (fields["n_layers"],) + flat_cache[0][0].shape
   np.testing.assert_allclose(scan_logits, flat_logits, atol=1e-5)
   np.testing.assert_allclose(np.asarray(flat_logits)[np.asarray(valid)], np.asarray(full)[np.asarray(valid)], atol=1e-5)
@@ -93,8 +95,8 @@ def test_scanned_logits_cache_and_gradients_equal_unrolled(fields):
     np.testing.assert_allclose(scan_cache[0][0][i], k, atol=1e-5)
     np.testing.assert_allclose(scan_cache[0][1][i], v, atol=1e-5)
 
-  g_flat = jax.grad(lambda p: loss(flat, p, tokens, positions, valid))(params)
-  g_scan = jax.grad(lambda p: loss(scanned, p, tokens, positions, valid))(stacked)
+  g_flat = jax.jit(jax.grad(lambda p: loss(flat, p, tokens, positions, valid)))(params)
+  g_scan = jax.jit(jax.grad(lambda p: loss(scanned, p, tokens, positions, valid)))(stacked)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), stack_layers(g_flat), g_scan)
 
 
@@ -183,8 +185,8 @@ def test_trainer_shared_prompt_logprobs_and_gradients_equal_unrolled():
     logp, entropy = layout_logprobs(policy, p, rows, 0.7, chunk=3)
     return (logp * jnp.asarray(rows.segments > 0)).sum() + entropy.sum(), logp
 
-  (_, want), g_flat = jax.value_and_grad(lambda p: objective(flat, p), has_aux=True)(params)
-  (_, got), g_scan = jax.value_and_grad(lambda p: objective(scanned, p), has_aux=True)(stacked)
+  (_, want), g_flat = jax.jit(jax.value_and_grad(lambda p: objective(flat, p), has_aux=True))(params)
+  (_, got), g_scan = jax.jit(jax.value_and_grad(lambda p: objective(scanned, p), has_aux=True))(stacked)
   assert np.asarray(want).std() > 0.1
   np.testing.assert_allclose(got, want, atol=1e-5)
   # sums over every token: fp32 rounding in another order (scan vs unrolled) reaches ~1e-4 relative

@@ -77,6 +77,44 @@ def test_single_operating_point_fits_efficiency_only():
   assert report[0]["error_after"] < 1e-6
 
 
+def test_batch_records_fit_the_rollout_overhead_after_the_decode_factors():
+  """A synchronous batch's time beyond the cost model's prefill and decode is the type's
+  rollout_overhead_s; it is fitted on the decode factors the same call fits, so records given in
+  any order recover it, and the fitted replica's batch time is the measured one."""
+  cat = load_catalog()
+  truth = dataclasses.replace(cat["cpu"], rollout_eff=0.05, attention_eff=0.02, decode_overhead_s=0.0004,
+                              rollout_overhead_s=0.02)
+  m = cm.ModelCost.from_config(cal.model_config(**TINY))
+  batches = []
+  for sequences, group in ((64, 2), (128, 4), (256, 8)):
+    w = cm.Workload(batch_size=1, group_size=group, prompt_len=8, output_mean=4.0, output_max=6, eta=0,
+                    max_concurrency=sequences)
+    r = cm.replica(m, truth, 1, w)
+    a, b, c = r.load_coeffs(w)
+    batches.append({
+        "pool": "rollout_batch",
+        "device_type": "cpu",
+        "devices": 1,
+        "mesh": {
+            "data": 1,
+            "tensor": 1
+        },
+        "model": TINY,
+        "sequences": sequences,
+        "group_size": group,
+        "prompt_len": 8,
+        "output_mean": 4.0,
+        "output_max": 6,
+        "slots": sequences,
+        "seconds": 0.02 + max(a + b * sequences, c * sequences)
+    })
+  decode = [r for r in synthetic_runs(truth, noise=0) if r["pool"] == "rollout"]
+  overlay, report = cal.calibrate(batches + decode, cat)  # batch records first: still fitted after decode
+  assert overlay["devices"]["cpu"]["rollout_overhead_s"] == pytest.approx(0.02, rel=1e-3)
+  assert max(r["error_after"] for r in report) < 1e-3
+  assert cat["cpu"].rollout_overhead_s == 0.0 and min(r["error_before"] for r in report[:3]) > 0.1
+
+
 def test_bad_measurement_records(tmp_path):
   path = tmp_path / "m.json"
   path.write_text(json.dumps([{"pool": "train", "device_type": "cpu"}]))

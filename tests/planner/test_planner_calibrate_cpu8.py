@@ -9,7 +9,7 @@ import pytest
 from support import ROOT
 
 from jaxrl_hex.planner import calibrate as cal
-from jaxrl_hex.planner.catalog import CATALOG_PATH, EFFICIENCY_FIELDS, load_catalog
+from jaxrl_hex.planner.catalog import CATALOG_PATH, load_catalog
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_measured_runs_are_records_that_calibrate(c8, tmp_path):
   catalog["cpu"] = dataclasses.replace(catalog["cpu"], train_overhead_s=0.0, decode_overhead_s=0.0)
   result = c8.fit(records, catalog)
   factors = result["overlay"]["devices"]["cpu"]
-  assert set(factors) == set(EFFICIENCY_FIELDS)
+  assert set(factors) == set(c8.FIELDS)
   assert all(math.isfinite(v) and v >= 0 for v in factors.values())
   assert factors["train_mfu"] > 0 and factors["rollout_eff"] > 0
   assert [r["held_out"] for r in result["rows"]] == [False, True, False, True]
@@ -68,7 +68,7 @@ def test_write_catalog_changes_only_the_cpu_factors(c8, tmp_path):
   old, new = CATALOG_PATH.read_text(), path.read_text()
   assert new.count("# fitted by benchmarks/calibrate_cpu8.py on day 2") == 1 and "day 1" not in new
   cpu = load_catalog(path)["cpu"]
-  assert {f: getattr(cpu, f) for f in EFFICIENCY_FIELDS} == factors
+  assert {f: getattr(cpu, f) for f in c8.FIELDS} == factors
   before, after = load_catalog(), load_catalog(path)
   assert {k: v for k, v in before.items() if k != "cpu"} == {k: v for k, v in after.items() if k != "cpu"}
   assert new[:new.index("\n  cpu:\n")] == old[:old.index("\n  cpu:\n")]
