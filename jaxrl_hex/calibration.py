@@ -35,8 +35,8 @@ def _median(rows, key):
 
 
 def _batch_record(routes, gi, g, slots, r, prompt_len, rows, model, mesh_file, workdir) -> dict:
-  """Group gi's part of a synchronous step: per batch (the first, warm-up, left out) its busiest
-  replica's prompts and busy seconds, the medians over batches."""
+  """Group gi's part of a synchronous step: per batch (the first to finish, warm-up, left out) its
+  busiest replica's prompts and busy seconds, the medians over batches."""
   busiest = [max((rep for rep in s["replicas"] if rep["group"] == gi), key=lambda rep: rep["busy_s"]) for s in routes]
   return {
       "pool": "rollout_batch",
@@ -96,8 +96,8 @@ def run_records(workdir: str) -> list:
   context = prompt_len + _median(rows, "response_length_mean") / 2  # mean length while decoding
   rollout = mesh_file.pools["rollout"]
   spans = os.path.join(workdir, "spans.jsonl")
-  routes = sorted((s for s in (read_jsonl(spans) if os.path.exists(spans) else []) if s["kind"] == "route"),
-                  key=lambda s: s["batch"])
+  # in the order batches finished (a batch routed to a replica still starting may finish last)
+  routes = [s for s in (read_jsonl(spans) if os.path.exists(spans) else []) if s["kind"] == "route"]
   last = {}  # per replica of a Ray rollout side, its "decoded" counts since the start (the last route span)
   for span in routes:
     for rep in span["replicas"]:
