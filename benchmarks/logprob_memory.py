@@ -7,7 +7,8 @@ temp bytes. Qwen2-1.5B's shapes (vocab 151,936, d_model 1536, tied head) on 2 of
 8 rows of 1024 and of 4096 tokens, fp32 compute (the model config's default; with bf16, XLA:CPU
 upcasts the head's dots to fp32 and its fp32 copies of the head blur the comparison). `head` is the
 output head alone (hidden states in, their gradient out); `model` is layout_logprobs through the
-layers, whose attention scores [R, H, L, L] count too.
+layers: the whole-vocab program also runs attention densely (a [R, L, L] mask and [R, H, L, L]
+scores), as the trainer did before models.attention; the chunked one runs it blockwise.
 
   python benchmarks/logprob_memory.py [--lengths 1024 4096] [--chunks 128 256 512]
     ->  benchmarks/out/logprob_memory.json
@@ -22,9 +23,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxrl_hex.models.attention import Segments  # noqa: E402
 from jaxrl_hex.models.config import model_config  # noqa: E402
 from jaxrl_hex.models.policy import Policy  # noqa: E402
-from jaxrl_hex.rl.layout import LOGPROB_CHUNK, Rows, chunked_logprobs, layout_logprobs, segment_mask  # noqa: E402
+from jaxrl_hex.rl.layout import Rows, chunked_logprobs, layout_logprobs  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 QWEN2_1_5B = dict(vocab_size=151936, d_model=1536, n_heads=12, n_kv_heads=2, head_dim=128, mlp_dim=8960,
@@ -40,7 +42,9 @@ def whole_vocab_logprobs(logits, targets):
 
 
 def whole_vocab_layout_logprobs(policy, params, rows):
-  logits, _ = policy.apply(params, rows.tokens[:, :-1], rows.positions[:, :-1], segment_mask(rows.segments[:, :-1]))
+  """Before chunking and blockwise attention: a dense [R, L, L] mask and [R, H, L, L] scores too."""
+  mask = Segments.causal(rows.segments[:, :-1], rows.positions[:, :-1]).dense()
+  logits, _ = policy.apply(params, rows.tokens[:, :-1], rows.positions[:, :-1], mask)
   return whole_vocab_logprobs(jnp.pad(logits, ((0, 0), (1, 0), (0, 0))), rows.tokens)
 
 
@@ -89,7 +93,7 @@ def main():
         print(row, flush=True)
   logits_gib = {length: args.rows * length * cfg.vocab_size * 4 / GIB for length in args.lengths}
   print(f"\nvocab {cfg.vocab_size}, d_model {cfg.d_model}, {args.layers} layers, {args.rows} rows; "
-        f"default chunk {LOGPROB_CHUNK}; one [R, L, V] fp32 array = " +
+        f"default chunk {cfg.logprob_chunk}; one [R, L, V] fp32 array = " +
         ", ".join(f"{v:.2f} GiB at L={k}" for k, v in logits_gib.items()))
   print(f"{'scope':6} {'L':>5} {'chunk':>6} {'temp GiB':>9} {'vs whole':>9} {'compile s':>10}")
   base = {(r["scope"], r["length"]): r["temp_bytes"] for r in results if r["chunk"] is None}
@@ -100,7 +104,7 @@ def main():
   os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
   with open(os.path.join(HERE, "out", "logprob_memory.json"), "w") as f:
     json.dump(
-        dict(model={k: cfg[k] for k in QWEN2_1_5B} | {"n_layers": args.layers}, default_chunk=LOGPROB_CHUNK,
+        dict(model={k: cfg[k] for k in QWEN2_1_5B} | {"n_layers": args.layers}, default_chunk=cfg.logprob_chunk,
              jax=jax.__version__, backend=jax.default_backend(), results=results), f, indent=1)
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import typing
 
-from jaxrl_hex import meshes
+from jaxrl_hex import footprint, meshes
 from jaxrl_hex.config import resolve_path, validate_fields
 from jaxrl_hex.errors import ConfigError, UserError
 from jaxrl_hex.models.config import model_config
@@ -45,7 +45,10 @@ class Runtime:
         spec = spec.replica_specs()[self.replica]
       elif self.own_runtime:
         spec = dataclasses.replace(spec, device_ids=tuple(range(len(spec.device_ids))))
-      self._pools[role] = meshes.Pool(spec)
+      pool = meshes.Pool(spec)
+      if role == "train":  # before any weight lands on it: a step XLA says does not fit is refused now
+        footprint.preflight(self.cfg, self.policy, pool)
+      self._pools[role] = pool
     return self._pools[role]
 
   @property

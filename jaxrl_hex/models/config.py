@@ -43,6 +43,12 @@ DEFAULTS = dict(
     # unrolled layers XLA may schedule the recomputation early and keep it all (XLA:CPU does: 8
     # layers saved 8%); under scan_layers one layer is recomputed at a time (8 layers: 7x less).
     remat="none",
+    # Blockwise attention (masks given as models.attention.Segments: the trainer's rows) works on
+    # tiles of this many queries by this many keys, so its memory is linear in the sequence length.
+    attention_block=512,
+    # The trainer runs the output head over chunks of this many positions (rl.layout), so it holds
+    # fp32 logits [rows, logprob_chunk, vocab], never a micro-batch's [rows, length, vocab].
+    logprob_chunk=256,
 )
 CHOICES = {
     "norm_style": ("rms", "gemma"),
@@ -66,6 +72,9 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   for field, allowed in CHOICES.items():
     if cfg[field] not in allowed:
       raise ValueError(f"model config: {field}={cfg[field]!r}; use one of {allowed}")
+  for field in ("attention_block", "logprob_chunk"):
+    if cfg[field] < 1:
+      raise ValueError(f"model config: {field}={cfg[field]} must be >= 1 (default {DEFAULTS[field]})")
   cfg.layer_types = tuple(cfg.layer_types)
   if cfg.layer_types and (len(cfg.layer_types) != cfg.n_layers or set(cfg.layer_types) - set(LAYER_TYPES)):
     raise ValueError(f"model config: layer_types={cfg.layer_types} must name {LAYER_TYPES} once per layer "

@@ -6,7 +6,9 @@ Every parameter carries `axes`, a tuple of logical axis names; meshes.Pool maps 
 mesh through a rules table, so the model never names a mesh axis.
 
 One call serves training, prefill and decode: `mask[b, t, s]` says which keys query t may see,
-and with a KV cache the new keys are written at `cache_index` before attending. Sliding-window
+and with a KV cache the new keys are written at `cache_index` before attending. A mask given as
+models.attention.Segments (per-token segment ids and positions) instead runs blockwise attention,
+which holds neither the [B, T, S] mask nor the [B, H, T, S] scores: the trainer's long rows. Sliding-window
 layers also need each key's position: without a cache the keys are the queries; with one, pass
 `key_positions` [B, S], or the cache is taken to hold each row's tokens in consecutive slots of a
 line or a ring (the engines' layouts), where slot distance modulo the cache length is position
@@ -28,6 +30,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from jaxrl_hex.models.attention import Segments, blockwise_attention
 from jaxrl_hex.models.config import is_sliding
 
 # A list of (keys, values) in the layout of CACHE_AXES: one pair per layer, or with
@@ -139,6 +142,7 @@ class Attention(nnx.Module):
     self.rope_args = rope_settings(cfg, sliding)
     self.scale = (cfg.query_pre_attn_scalar or hd)**-0.5
     self.logit_cap = cfg.attn_logit_softcap
+    self.block = cfg.attention_block
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x, table, mask, cache, cache_index):
@@ -160,13 +164,16 @@ class Attention(nnx.Module):
     b, t, h, hd = q.shape
     kv = k.shape[2]
     g = h // kv
-    # plain batched matmuls in the order XLA:CPU runs fast: [B, KV, G*T, hd] @ [B, KV, hd, S]
-    q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, hd)
-    scores = jnp.matmul(q, keys.astype(dt)).astype(jnp.float32).reshape(b, kv, g, t, -1) * self.scale
-    scores = softcap(scores, self.logit_cap)
-    scores = jnp.where(mask[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, kv, g * t, -1)
-    out = jnp.matmul(probs, values.astype(dt)).reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
+    q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
+    if isinstance(mask, Segments):
+      out = blockwise_attention(q, keys.astype(dt), values.astype(dt), mask, self.scale, self.logit_cap, self.block)
+    else:  # plain batched matmuls in the order XLA:CPU runs fast: [B, KV, G*T, hd] @ [B, KV, hd, S]
+      scores = jnp.matmul(q.reshape(b, kv, g * t, hd), keys.astype(dt)).astype(jnp.float32)
+      scores = softcap(scores.reshape(b, kv, g, t, -1) * self.scale, self.logit_cap)
+      scores = jnp.where(mask[:, None, None], scores, -1e30)
+      probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, kv, g * t, -1)
+      out = jnp.matmul(probs, values.astype(dt)).reshape(b, kv, g, t, hd)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
     wo = self.wo[...].astype(dt)  # [heads, head_dim, d_model]
     return (out.reshape(b * t, -1) @ wo.reshape(-1, wo.shape[-1])).reshape(b, t, -1), cache
 
@@ -240,8 +247,10 @@ class Decoder(nnx.Module):
     x = self.embed[...].astype(dt)[tokens]
     if cfg.embed_scale != 1.0:  # transformers rounds the scale to the weights' dtype
       x = x * jnp.asarray(np.float32(cfg.embed_scale).astype(cfg.param_dtype), dt)
-    local_mask = window_mask(mask, positions, cfg.sliding_window, cache is not None, cache_index,
-                             key_positions) if cfg.sliding_window else None
+    local_mask = None
+    if cfg.sliding_window:
+      local_mask = mask.windowed(cfg.sliding_window) if isinstance(mask, Segments) else window_mask(
+          mask, positions, cfg.sliding_window, cache is not None, cache_index, key_positions)
     if rope_tables is None:
       tables = {args: rope_table(positions, *args) for args in layer_rope_settings(cfg)}
     else:  # tables over 0..limit-1: look the positions up

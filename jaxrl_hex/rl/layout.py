@@ -13,7 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.models.decoder import causal_mask, extend_cache, init_cache
+from jaxrl_hex.models.attention import Segments
+from jaxrl_hex.models.decoder import extend_cache, init_cache
 
 ROW_AXES = (None, None, "batch", "length")  # [M, K, R, L]: rows split over the batch axes
 PROMPT_AXES = (None, None, None, "length")  # [M, K, G, P]: every shard holds all of its micro-batches' prompts
@@ -57,11 +58,6 @@ class TokenData:
   returns: jax.Array | None = None  # [M, K, R, L] fp32, the critic's regression targets
 
 
-# Sequence positions per chunk of the output head in layout_logprobs / token_logprobs: each chunk
-# holds fp32 logits [R, LOGPROB_CHUNK, V], never the whole micro-batch's [R, L, V].
-LOGPROB_CHUNK = 256
-
-
 def _logprobs(logits, targets, temperature):
   """logits [.., T, V], targets [.., T] -> (logp [.., T], entropy [.., T]) at `temperature`.
   entropy = lse - sum(p * z): no second [.., T, V] array of log-probabilities."""
@@ -71,13 +67,13 @@ def _logprobs(logits, targets, temperature):
   return target - lse, lse - (jnp.exp(z - lse[..., None]) * z).sum(-1)
 
 
-def chunked_logprobs(policy, params, hidden, targets, temperature=1.0, chunk=LOGPROB_CHUNK):
+def chunked_logprobs(policy, params, hidden, targets, temperature=1.0, chunk=None):
   """Final hidden states [R, T, d_model] (policy.apply_hidden), targets [R, T] -> (logp [R, T],
-  entropy [R, T]), the output head run over chunks of at most `chunk` positions: peak memory
-  O(R * chunk * V), not O(R * T * V). Each chunk is rematerialised in the backward pass, so the
-  gradient keeps no chunk's logits either."""
+  entropy [R, T]), the output head run over chunks of at most `chunk` positions (None: the
+  model's logprob_chunk): peak memory O(R * chunk * V), not O(R * T * V). Each chunk is
+  rematerialised in the backward pass, so the gradient keeps no chunk's logits either."""
   r, t = targets.shape
-  n = -(-t // chunk)
+  n = -(-t // (chunk or policy.cfg.logprob_chunk))
   size = -(-t // n)  # equal chunks: at most n - 1 padded positions
   pad = n * size - t
   to_chunks = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(r, n, size, *x.shape[2:])
@@ -93,21 +89,15 @@ def chunked_logprobs(policy, params, hidden, targets, temperature=1.0, chunk=LOG
   return from_chunks(logp), from_chunks(entropy)
 
 
-def token_logprobs(policy, params, batch, temperature=1.0, chunk=LOGPROB_CHUNK):
+def token_logprobs(policy, params, batch, temperature=1.0, chunk=None):
   """A TrainBatch's rows as the engine lays them out -> (logp [N, C], entropy [N, C]) of each
   completion token."""
   tokens, valid = batch.tokens, batch.valid
   p_len = tokens.shape[1] - batch.loss_mask.shape[1]
   positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-  hidden, _ = policy.apply_hidden(params, tokens[:, :-1], positions[:, :-1], causal_mask(valid[:, :-1]))
+  hidden, _ = policy.apply_hidden(params, tokens[:, :-1], positions[:, :-1],
+                                  Segments.causal(valid[:, :-1], positions[:, :-1]))
   return chunked_logprobs(policy, params, hidden[:, p_len - 1:], tokens[:, p_len:], temperature, chunk)
-
-
-def segment_mask(segments):
-  """segments [R, L] (0 = padding) -> [R, L, L]: query t sees keys s <= t of its own sequence."""
-  length = segments.shape[1]
-  same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
-  return same & jnp.tril(jnp.ones((length, length), bool))[None]
 
 
 def shared_prompt_hidden(policy, params, rows: Rows):
@@ -119,13 +109,16 @@ def shared_prompt_hidden(policy, params, rows: Rows):
   p_valid = rows.prompt_valid
   g, p_len = p_valid.shape
   r, c_len = tokens.shape
-  prompt_hidden, cache = policy.apply_hidden(params, rows.prompt_tokens, rows.prompt_positions, causal_mask(p_valid),
-                                             init_cache(policy.cfg, g, p_len), 0)
+  p_positions = rows.prompt_positions
+  prompt_hidden, cache = policy.apply_hidden(params, rows.prompt_tokens, p_positions,
+                                             Segments.causal(p_valid, p_positions), init_cache(policy.cfg, g, p_len), 0)
   cache = extend_cache(cache, group, c_len - 1)
-  keys = jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1)  # [R, P + C - 1]
-  causal = jnp.arange(p_len + c_len - 1)[None, :] <= p_len + jnp.arange(c_len - 1)[:, None]
-  hidden, _ = policy.apply_hidden(params, tokens[:, :-1], rows.positions[:, :-1], causal[None] & keys[:, None, :],
-                                  cache, p_len)
+  positions = rows.positions[:, :-1]
+  # The prompt's positions precede the completion's, so causal order is position order.
+  mask = Segments(valid[:, :-1].astype(jnp.int32), positions,
+                  jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1).astype(jnp.int32),
+                  jnp.concatenate([p_positions[group], positions], axis=1))  # keys [R, P + C - 1]
+  hidden, _ = policy.apply_hidden(params, tokens[:, :-1], positions, mask, cache, p_len)
   return jnp.concatenate([prompt_hidden[group, -1:], hidden], axis=1)
 
 
@@ -137,11 +130,11 @@ def _layout_hidden(policy, params, rows: Rows):
   if rows.prompt_tokens is not None:
     return shared_prompt_hidden(policy, params, rows)
   hidden, _ = policy.apply_hidden(params, rows.tokens[:, :-1], rows.positions[:, :-1],
-                                  segment_mask(rows.segments[:, :-1]))
+                                  Segments.causal(rows.segments[:, :-1], rows.positions[:, :-1]))
   return jnp.pad(hidden, ((0, 0), (1, 0), (0, 0)))
 
 
-def layout_logprobs(policy, params, rows: Rows, temperature=1.0, chunk=LOGPROB_CHUNK):
+def layout_logprobs(policy, params, rows: Rows, temperature=1.0, chunk=None):
   """-> (logp [R, L], entropy [R, L]) of every token given its prefix in its own sequence."""
   return chunked_logprobs(policy, params, _layout_hidden(policy, params, rows), rows.tokens, temperature, chunk)
 

@@ -50,7 +50,8 @@ class Trainer:
     self.param_shardings = pool.shardings_for(policy.logical_axes(), policy.shapes())
     self.params = jax.device_put(params, self.param_shardings)
     self.ref_params = None if ref_params is None else jax.device_put(ref_params, self.param_shardings)
-    self.opt_state = self._on_pool(jax.jit(self.tx.init)(self.params))
+    opt_shardings = optimizer_shardings(pool, self.tx, self.param_shardings, policy.shapes())
+    self.opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(self.params)
     self.critic = self.critic_params = self.critic_opt_state = self.critic_tx = None
     critic_shardings = critic_opt_shardings = None
     if objective.critic_optimizer is not None:
@@ -58,24 +59,14 @@ class Trainer:
       critic_shardings = pool.shardings_for(self.critic.logical_axes(), self.critic.shapes())
       self.critic_params = jax.jit(functools.partial(critic_init, self.critic),
                                    out_shardings=critic_shardings)(self.params)
-      self.critic_opt_state = self._on_pool(jax.jit(self.critic_tx.init)(self.critic_params))
-      critic_opt_shardings = jax.tree.map(lambda x: x.sharding, self.critic_opt_state)
+      critic_opt_shardings = optimizer_shardings(pool, self.critic_tx, critic_shardings, self.critic.shapes())
+      self.critic_opt_state = jax.jit(self.critic_tx.init, out_shardings=critic_opt_shardings)(self.critic_params)
     self.version = 0
-    sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-    # pinned output shardings: XLA may otherwise pick new layouts for the updated state
-    state_shardings = (self.param_shardings, sharding_of(self.opt_state), critic_shardings, critic_opt_shardings)
+    state_shardings = (self.param_shardings, opt_shardings, critic_shardings, critic_opt_shardings)
     models = (policy, self.critic)
-    self._start = jax.jit(functools.partial(objective.start, *models))
-    self._update = jax.jit(functools.partial(_update, objective, models, self.tx,
-                                             self.critic_tx), donate_argnums=(0, 1, 2, 3),
-                           static_argnames=("num_seqs",), out_shardings=(*state_shardings, None))
+    self._start = start_program(objective, models)
+    self._update = update_program(objective, models, self.tx, self.critic_tx, state_shardings)
     self._gradients = jax.jit(functools.partial(_accumulate, objective, models), static_argnames=("num_seqs",))
-
-  def _on_pool(self, tree):
-    """Optimizer scalars (step counts) would land on a default device; keep them on this pool."""
-    pool = self.pool
-    return jax.tree.map(
-        lambda x: x if getattr(x.sharding, "mesh", None) == pool.mesh else jax.device_put(x, pool.replicated()), tree)
 
   def plan(self, batch: TrainBatch) -> packing.Layout:
     n = batch.tokens.shape[0]
@@ -88,14 +79,9 @@ class Trainer:
   def _prepare(self, batch: TrainBatch):
     """Host batch -> (layout, its Rows and the objective's TokenData on the pool, start metrics)."""
     layout = self.plan(batch)
-    put = lambda x, axes: jax.device_put(x, self.pool.sharding(axes))
-    fields = [f for f in dataclasses.fields(Rows) if getattr(layout, f.name) is not None]
-    rows = Rows(**{f.name: put(getattr(layout, f.name), f.metadata["axes"]) for f in fields})
-    per_seq = jax.tree.map(lambda x: put(x, ("batch",) if x.ndim == 1 else ("batch", "length")),
-                           dataclasses.replace(batch, tokens=None, valid=None))
+    rows, per_seq, slot, minibatch_of = step_inputs(self.pool, layout, batch)
     data, metrics = self._start(
-        StartInputs(self.params, rows, per_seq, put(layout.slot, ("batch", "length")),
-                    put(layout.minibatch_of, ("batch",)), self.ref_params, self.critic_params))
+        StartInputs(self.params, rows, per_seq, slot, minibatch_of, self.ref_params, self.critic_params))
     return layout, rows, data, metrics
 
   def step(self, batch: TrainBatch) -> dict:
@@ -141,6 +127,42 @@ class Trainer:
     self.ref_params = state.get("ref_params", self.ref_params)
     if "critic" in state:
       self.critic_params, self.critic_opt_state = state["critic"]["params"], state["critic"]["opt_state"]
+
+
+def optimizer_shardings(pool, tx, param_shardings, param_shapes):
+  """The optimizer state's shardings: each per-parameter leaf (Adam's moments) as its parameter,
+  the rest (step counts) replicated on the pool. Left to XLA, tx.init's zeros come out replicated,
+  every device holding whole moments."""
+  state = jax.eval_shape(tx.init, param_shapes)
+  return optax.tree_map_params(tx, lambda _, sharding: sharding, state, param_shardings,
+                               transform_non_params=lambda _: pool.replicated())
+
+
+def step_inputs(pool, layout: packing.Layout, batch: TrainBatch, place=jax.device_put):
+  """A step's host layout and batch -> (Rows, per-sequence fields, slot, minibatch_of) on the
+  pool, each array given to place(array, sharding): device_put, or a ShapeDtypeStruct maker for
+  a program compiled without data (jaxrl_hex.footprint)."""
+  put = lambda x, axes: place(x, pool.sharding(axes))
+  fields = [f for f in dataclasses.fields(Rows) if getattr(layout, f.name) is not None]
+  rows = Rows(**{f.name: put(getattr(layout, f.name), f.metadata["axes"]) for f in fields})
+  per_seq = jax.tree.map(lambda x: put(x, ("batch",) if x.ndim == 1 else ("batch", "length")),
+                         dataclasses.replace(batch, tokens=None, valid=None))
+  return rows, per_seq, put(layout.slot, ("batch", "length")), put(layout.minibatch_of, ("batch",))
+
+
+def start_program(objective, models):
+  """The jitted start pass: StartInputs -> (TokenData, metrics); models = (policy, critic or None)."""
+  return jax.jit(functools.partial(objective.start, *models))
+
+
+def update_program(objective, models, tx, critic_tx, state_shardings):
+  """The jitted optimizer update of one minibatch: (params, opt_state, critic_params,
+  critic_opt_state, rows, data, m, version; num_seqs) -> (the four updated, metrics). The state
+  is donated and its output shardings pinned to `state_shardings` (the four states' shardings),
+  since XLA may otherwise pick new layouts for it. Built from shardings alone, so a footprint
+  can compile it without params (jaxrl_hex.footprint)."""
+  return jax.jit(functools.partial(_update, objective, models, tx, critic_tx), donate_argnums=(0, 1, 2, 3),
+                 static_argnames=("num_seqs",), out_shardings=(*state_shardings, None))
 
 
 def _accumulate(objective, models, params, critic_params, rows, data, m, version, num_seqs):

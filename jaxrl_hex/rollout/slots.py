@@ -23,7 +23,8 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.models.decoder import cache_axes, cache_shapes, causal_mask, init_cache, map_cache, rope_tables
+from jaxrl_hex.models.attention import Segments
+from jaxrl_hex.models.decoder import cache_axes, cache_shapes, init_cache, map_cache, rope_tables
 from jaxrl_hex.rollout.sampling import sample
 
 
@@ -109,7 +110,7 @@ def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, 
   slots, length = state.valid.shape
   j = jnp.arange(p_len)
   positions = jnp.broadcast_to(j, (n, p_len))
-  _, kv = policy.apply(params, tokens, positions, causal_mask(j[None] < lengths[:, None]),
+  _, kv = policy.apply(params, tokens, positions, Segments.causal(j[None] < lengths[:, None], positions),
                        init_cache(policy.cfg, n, p_len, state.cache[0][0].dtype), 0)
   slot_src = jnp.full((slots,), -1, jnp.int32).at[slot_ids].set(src, mode="drop")  # [S] prompt row or -1
   filled = slot_src >= 0

@@ -12,7 +12,7 @@ from jaxrl_hex.models.decoder import causal_mask
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl import packing
 from jaxrl_hex.rl.batch import TrainBatch
-from jaxrl_hex.rl.layout import Rows, from_layout, layout_logprobs, layout_values, segment_mask, token_logprobs
+from jaxrl_hex.rl.layout import Rows, from_layout, layout_logprobs, layout_values, token_logprobs
 from jaxrl_hex.rl.trainer import critic_init, critic_model
 
 SHAPE = dict(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -38,8 +38,16 @@ def _whole_vocab(logits, targets, temperature):
   return logp, -(jnp.exp(logp_all) * logp_all).sum(-1)
 
 
+def _segment_mask(segments):
+  """The dense mask rl.layout's blockwise attention replaced: [R, L, L], query t sees keys s <= t
+  of its own sequence."""
+  length = segments.shape[1]
+  same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
+  return same & jnp.tril(jnp.ones((length, length), bool))[None]
+
+
 def _whole_vocab_layout_logits(policy, params, rows):
-  logits, _ = policy.apply(params, rows.tokens[:, :-1], rows.positions[:, :-1], segment_mask(rows.segments[:, :-1]))
+  logits, _ = policy.apply(params, rows.tokens[:, :-1], rows.positions[:, :-1], _segment_mask(rows.segments[:, :-1]))
   return jnp.pad(logits, ((0, 0), (1, 0), (0, 0)))  # [R, L, V]
 
 
@@ -103,8 +111,10 @@ def test_layout_logprobs_and_gradients_match_whole_vocab(name, chunk):
   lay = packing.plan(batch.tokens, batch.valid, batch.loss_mask, pack=True, row_length=13)
   rows = _micro_batch(lay)
   assert rows.tokens.shape[1] == 13 and (rows.segments.max(1) > 1).any()  # sequences share rows
-  new = lambda p: layout_logprobs(policy, p, rows, TEMP, chunk)  # L = 13: 4 chunks of 4, 3 of 5, or one
-  old = lambda p: _whole_vocab_layout_logprobs(policy, p, rows, TEMP)
+  # padding tokens are compared off: their queries see no key, which attention gives zeros
+  real = lambda out: jax.tree.map(lambda x: jnp.where(rows.segments > 0, x, 0.0), out)
+  new = lambda p: real(layout_logprobs(policy, p, rows, TEMP, chunk))  # L = 13: 4 chunks of 4, 3 of 5, or one
+  old = lambda p: real(_whole_vocab_layout_logprobs(policy, p, rows, TEMP))
   logp, entropy = _assert_same_and_same_gradients(new, old, params, *_weights(rows.tokens.shape, 1))
   np.testing.assert_allclose(logp[:, 0], -np.log(61), rtol=1e-6)  # column 0 predicts nothing: uniform
   np.testing.assert_allclose(entropy[:, 0], np.log(61), rtol=1e-6)
@@ -131,8 +141,9 @@ def test_shared_prompt_logprobs_match_unshared_whole_vocab(name):
 def test_token_logprobs_match_whole_vocab():
   policy, params = _model("untied_softcap")
   batch = _batch([2, 4, 1], [5, 3, 5], p=4, c=5, vocab=61, seed=4)
-  new = lambda p: token_logprobs(policy, p, batch, TEMP, chunk=2)  # C = 5: 3 chunks of 2
-  old = lambda p: _whole_vocab_engine_logprobs(policy, p, batch, TEMP)
+  real = lambda out: jax.tree.map(lambda x: jnp.where(batch.loss_mask, x, 0.0), out)  # as in the layout test
+  new = lambda p: real(token_logprobs(policy, p, batch, TEMP, chunk=2))  # C = 5: 3 chunks of 2
+  old = lambda p: real(_whole_vocab_engine_logprobs(policy, p, batch, TEMP))
   _assert_same_and_same_gradients(new, old, params, *_weights(batch.loss_mask.shape, 5))
 
 

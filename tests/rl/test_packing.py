@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jaxrl_hex.rl import packing
-from jaxrl_hex.rl.layout import from_layout, segment_mask, to_layout
+from jaxrl_hex.rl.layout import from_layout, to_layout
 
 
 def _batch(prompt_lens, completion_lens, p=4, c=3):
@@ -51,14 +51,6 @@ def test_to_and_from_layout_round_trip():
   x = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) + 1
   back = from_layout(to_layout(x, lay.slot, lay.shape), lay.slot)
   np.testing.assert_array_equal(back, np.where(loss_mask, x, 0))
-
-
-def test_segment_mask_is_block_diagonal_causal():
-  m = np.asarray(segment_mask(jnp.array([[1, 1, 2, 2, 2, 0]])))[0]
-  expected = np.zeros((6, 6), bool)
-  expected[0, 0] = expected[1, :2] = True
-  expected[2, 2] = expected[3, 2:4] = expected[4, 2:5] = True
-  np.testing.assert_array_equal(m, expected)
 
 
 def test_micro_batches_minibatches_and_shards():

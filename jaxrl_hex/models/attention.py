@@ -1,0 +1,215 @@
+"""Blockwise attention over masks held as per-token segment ids and positions.
+
+A packed training row, a left-padded prompt and a completion attending its group's shared prompt
+all mask attention the same way: query t sees key s when both carry the same segment id > 0 and
+the key's position is not after the query's (and, for sliding layers, fewer than `window`
+positions before it). `Segments` holds that rule as [B, T] and [B, S] arrays, so no [B, T, S]
+mask exists, and `blockwise_attention` computes attention over [block, block] tiles with an
+online softmax (flash attention's algorithm, in portable JAX), so no [B, H, T, S] scores exist
+either: memory grows linearly with the sequence length. Tiles no query of the batch can see
+(above the causal diagonal, across packed sequences) are skipped.
+
+The backward pass is written out (jax.custom_vjp) as flash attention's: it keeps the output and
+each query's log-sum-exp, and recomputes the tiles' probabilities, so differentiating it holds
+no [T, S] array either.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+NO_WINDOW = 2**30  # a window no sequence reaches
+_MASKED = -1e30  # finite, so a query that sees nothing in a tile keeps a finite running max
+_EMPTY_LSE = 1e30  # a query that sees no key at all: exp(s - lse) = 0 in the backward pass
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """Query t sees key s iff q_segments[t] == k_segments[s] > 0 and
+  0 <= q_positions[t] - k_positions[s] < window."""
+  q_segments: jax.Array  # [B, T] int32, 0 = padding
+  q_positions: jax.Array  # [B, T] int32
+  k_segments: jax.Array  # [B, S] int32, 0 = padding (or an unwritten cache slot)
+  k_positions: jax.Array  # [B, S] int32
+  window: jax.Array = NO_WINDOW  # int32 scalar; an array, so layers of a scan may differ
+
+  @classmethod
+  def causal(cls, segments, positions):
+    """Keys are the queries: packed rows (ids 1.. per sequence) or padded rows (valid as ids)."""
+    segments = jnp.asarray(segments).astype(jnp.int32)
+    return cls(segments, positions, segments, positions, jnp.int32(NO_WINDOW))
+
+  def windowed(self, window: int):
+    return dataclasses.replace(self, window=jnp.int32(window))
+
+  def dense(self):
+    """The same mask as a [B, T, S] array (for the dense path and for tests)."""
+    return _visible((self.q_segments, self.q_positions), (self.k_segments, self.k_positions), self.window)
+
+
+def _pad_to(x, axis, size, value=0):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _blocks(x, axis, block):
+  """x with `axis` cut into blocks, the block index moved to the front: [n, ..., block, ...]."""
+  shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1:]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblocks(x, axis):
+  """The inverse of _blocks."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _scores(q, k, visible, scale, cap):
+  """q [B, KV, G, bq, hd], k [B, KV, hd, bk] -> (masked scores, capped-score tanh or None),
+  fp32 [B, KV, G, bq, bk]."""
+  s = jnp.einsum("bhgqd,bhdk->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
+  t = None
+  if cap:
+    t = jnp.tanh(s / cap)
+    s = t * cap
+  return jnp.where(visible[:, None, None], s, _MASKED), t
+
+
+def _tiles(mask: Segments, bq, bk):
+  """Per query block i: its mask arrays; per key block j: its; each [n, B, block]."""
+  q = [_blocks(a, 1, bq) for a in (mask.q_segments, mask.q_positions)]
+  k = [_blocks(a, 1, bk) for a in (mask.k_segments, mask.k_positions)]
+  return q, k
+
+
+def _visible(qm, km, window):
+  """(segments, positions) of queries [B, T] and keys [B, S] -> the mask [B, T, S]."""
+  (qs, qp), (ks, kp) = qm, km
+  distance = qp[:, :, None] - kp[:, None, :]
+  return (qs[:, :, None] == ks[:, None, :]) & (ks[:, None, :] > 0) & (distance >= 0) & (distance < window)
+
+
+def _forward(q, k, v, mask, scale, cap, bq, bk):
+  """Padded, blocked inputs -> (out [B, KV, G, T, hd] in q's dtype, lse [B, KV, G, T] fp32)."""
+  qm, km = _tiles(mask, bq, bk)
+  kb, vb = _blocks(k, 3, bk), _blocks(v, 2, bk)  # [nk, B, KV, hd, bk], [nk, B, KV, bk, hd]
+
+  def q_block(xs):
+    qi, qmi = xs[0], xs[1:]
+
+    def k_step(carry, ys):
+      kj, vj, kmj = ys[0], ys[1], ys[2:]
+      visible = _visible(qmi, kmj, mask.window)
+
+      def tile(carry):
+        m, l, acc = carry
+        s, _ = _scores(qi, kj, visible, scale, cap)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(visible[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        acc = acc * correction[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vj.dtype), vj,
+                                                       preferred_element_type=jnp.float32)
+        return m_new, l * correction + p.sum(-1), acc
+
+      return jax.lax.cond(visible.any(), tile, lambda c: c, carry), None
+
+    stats = qi.shape[:-1]
+    init = (jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(qi.shape, jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(k_step, init, (kb, vb, *km))
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)[..., None]
+    return out.astype(q.dtype), jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _EMPTY_LSE)
+
+  out, lse = jax.lax.map(q_block, (_blocks(q, 3, bq), *qm))
+  return _unblocks(out, 3), _unblocks(lse, 3)
+
+
+def _tile_grads(qi, kj, vj, doi, lsei, deltai, visible, scale, cap):
+  """One tile's probabilities and score gradients: (p, ds), each fp32 [B, KV, G, bq, bk]."""
+  s, t = _scores(qi, kj, visible, scale, cap)
+  p = jnp.where(visible[:, None, None], jnp.exp(s - lsei[..., None]), 0.0)
+  dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
+  ds = p * (dp - deltai[..., None])
+  if cap:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+    ds = ds * (1.0 - t * t)
+  return p, ds * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attend(q, k, v, mask, scale, cap, bq, bk):
+  return _forward(q, k, v, mask, scale, cap, bq, bk)[0]
+
+
+def _attend_fwd(q, k, v, mask, scale, cap, bq, bk):
+  out, lse = _forward(q, k, v, mask, scale, cap, bq, bk)
+  return out, (q, k, v, mask, out, lse)
+
+
+def _attend_bwd(scale, cap, bq, bk, residuals, d_out):
+  q, k, v, mask, out, lse = residuals
+  delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, KV, G, T]
+  qm, km = _tiles(mask, bq, bk)
+  qb, dob, lseb, deltab = _blocks(q, 3, bq), _blocks(d_out, 3, bq), _blocks(lse, 3, bq), _blocks(delta, 3, bq)
+  kb, vb = _blocks(k, 3, bk), _blocks(v, 2, bk)
+
+  def skip_or(visible, grads, carry):
+    return jax.lax.cond(visible.any(), grads, lambda c: c, carry)
+
+  def dq_block(xs):  # one query block against every key block
+    qi, doi, lsei, deltai, qmi = xs[0], xs[1], xs[2], xs[3], xs[4:]
+
+    def k_step(dq, ys):
+      kj, vj, kmj = ys[0], ys[1], ys[2:]
+      visible = _visible(qmi, kmj, mask.window)
+
+      def grads(dq):
+        _, ds = _tile_grads(qi, kj, vj, doi, lsei, deltai, visible, scale, cap)
+        return dq + jnp.einsum("bhgqk,bhdk->bhgqd", ds, kj, preferred_element_type=jnp.float32)
+
+      return skip_or(visible, grads, dq), None
+
+    dq, _ = jax.lax.scan(k_step, jnp.zeros(qi.shape, jnp.float32), (kb, vb, *km))
+    return dq.astype(q.dtype)
+
+  def dkv_block(ys):  # one key block against every query block
+    kj, vj, kmj = ys[0], ys[1], ys[2:]
+
+    def q_step(carry, xs):
+      qi, doi, lsei, deltai, qmi = xs[0], xs[1], xs[2], xs[3], xs[4:]
+      visible = _visible(qmi, kmj, mask.window)
+
+      def grads(carry):
+        dk, dv = carry
+        p, ds = _tile_grads(qi, kj, vj, doi, lsei, deltai, visible, scale, cap)
+        dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, doi, preferred_element_type=jnp.float32)
+        return dk + jnp.einsum("bhgqk,bhgqd->bhdk", ds, qi, preferred_element_type=jnp.float32), dv
+
+      return skip_or(visible, grads, carry), None
+
+    init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
+    (dk, dv), _ = jax.lax.scan(q_step, init, (qb, dob, lseb, deltab, *qm))
+    return dk.astype(k.dtype), dv.astype(v.dtype)
+
+  dq = _unblocks(jax.lax.map(dq_block, (qb, dob, lseb, deltab, *qm)), 3)
+  dk, dv = jax.lax.map(dkv_block, (kb, vb, *km))
+  mask_cotangent = jax.tree.map(lambda x: None, mask)
+  return dq, _unblocks(dk, 3), _unblocks(dv, 2), mask_cotangent
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def blockwise_attention(q, keys, values, mask: Segments, scale: float, cap: float = 0.0, block: int = 512):
+  """q [B, KV, G, T, hd], keys [B, KV, hd, S], values [B, KV, S, hd] (the KV cache's layout) ->
+  [B, KV, G, T, hd], attention under `mask`, computed over tiles of at most `block` queries by
+  `block` keys. Queries that see no key get zeros."""
+  t, s = q.shape[3], keys.shape[3]
+  bq, bk = min(block, t), min(block, s)
+  tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+  mask = Segments(_pad_to(mask.q_segments, 1, tp), _pad_to(mask.q_positions, 1, tp), _pad_to(mask.k_segments, 1, sp),
+                  _pad_to(mask.k_positions, 1, sp), jnp.asarray(mask.window, jnp.int32))
+  out = _attend(_pad_to(q, 3, tp), _pad_to(keys, 3, sp), _pad_to(values, 2, sp), mask, scale, cap, bq, bk)
+  return out[:, :, :, :t]
