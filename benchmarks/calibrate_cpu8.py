@@ -50,8 +50,6 @@ from jaxrl_hex.rollout import slots as S  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
-README = ROOT / "benchmarks" / "README.md"
-BEGIN, END = "<!-- cpu8-calibration:begin -->", "<!-- cpu8-calibration:end -->"
 # what cpu-8's train and decode records fit (a batch overhead needs synchronous Ray runs: fleet_plan.py)
 FIELDS = tuple(f for f in EFFICIENCY_FIELDS if f != "rollout_overhead_s")
 
@@ -112,10 +110,11 @@ def train_point(pool, name, seqs, seq_len, held_out) -> Point:
 def _rewind(state, start):
   """Every slot back to `start` cached tokens (ring columns [0, start)) so each call decodes
   over the same contexts; the cache's contents do not change the step's cost."""
-  slots, length = state.valid.shape
+  slots, length = state.kv.valid.shape
   full = lambda v: jnp.full((slots,), v, jnp.int32)
-  return dataclasses.replace(state, valid=jnp.broadcast_to(jnp.arange(length) < start, (slots, length)),
-                             t=jnp.int32(start), pos=full(start), count=full(0))
+  ring = dataclasses.replace(state.kv, valid=jnp.broadcast_to(jnp.arange(length) < start, (slots, length)),
+                             t=jnp.int32(start))
+  return dataclasses.replace(state, kv=ring, pos=full(start), count=full(0))
 
 
 def rollout_point(pool, name, batch, context, held_out) -> Point:
@@ -128,7 +127,8 @@ def rollout_point(pool, name, batch, context, held_out) -> Point:
   slots = batch * pool.axis_sizes.get("data", 1)
   start, length = context - DECODE_STEPS // 2, context + DECODE_STEPS // 2
   param_shardings = pool.shardings_for(policy.logical_axes(), policy.shapes())
-  state_shardings = S.state_shardings(pool, cfg, slots, length)
+  layout = S.Layout(slots, length)
+  state_shardings = S.state_shardings(pool, cfg, layout)
   replicated = pool.replicated()
   sampling = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
@@ -139,7 +139,7 @@ def rollout_point(pool, name, batch, context, held_out) -> Point:
   fn = jax.jit(calls, in_shardings=(param_shardings, state_shardings, replicated),
                out_shardings=(state_shardings, replicated), donate_argnums=(1,))
   params = jax.device_put(params, param_shardings)
-  state = dataclasses.replace(S.init_state(cfg, slots, length, cfg.dtype), max_new=jnp.full((slots,), 2**30))
+  state = dataclasses.replace(S.init_state(cfg, layout, cfg.dtype), max_new=jnp.full((slots,), 2**30))
   box = {"state": jax.device_put(state, state_shardings)}  # donated and replaced by every call
   live = np.ones(slots, bool)
 
@@ -235,16 +235,8 @@ def write_catalog(factors, note, path=CATALOG_PATH):
   path.write_text(text[:entry.start()] + block + text[entry.end():])
 
 
-def write_readme(text):
-  """Rewrites only the block between this script's markers in benchmarks/README.md."""
-  body = README.read_text()
-  if BEGIN not in body:
-    raise SystemExit(f"{README}: no {BEGIN} marker; add the 'Planner calibration (cpu-8)' section first")
-  README.write_text(
-      re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{text}\n{END}", body, flags=re.S))
-
-
 def main(argv=None):
+  from readme_section import write_section  # benchmarks/ is on the path when run as a script
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=9, help="timed calls per point, >= 2 (the median is kept)")
   ap.add_argument("--warmup", type=int, default=2, help="untimed calls per point first (compiles)")
@@ -270,7 +262,7 @@ def main(argv=None):
     note = (f"on {time.strftime('%Y-%m-%d')} (held-out error: train {held['train_held_out']['max']:.0%}, "
             f"rollout {held['rollout_held_out']['max']:.0%} max)")
     write_catalog(result["overlay"]["devices"]["cpu"], note)
-    write_readme(text)
+    write_section("cpu8-calibration", text, "Planner calibration (cpu-8)")
   print(f"wrote {OUT / 'cpu8-measured.json'}, {OUT / 'cpu8-calibration.json'} ({result['seconds']:.0f} s)")
   return 0
 

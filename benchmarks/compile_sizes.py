@@ -5,19 +5,26 @@ the planner's train_memory estimate and the device's HBM.
 
 Cases: the planner's fastest fitting train layout (cost_model.train_layouts, train_time) on a TPU
 v5p-32 slice and on 8 x H100 for each model, and the train pools of the committed plans
-meshes/plan-v5p-h100-qwen2_7b.yaml and plan-v5e-v6e-qwen2_7b.yaml. The train step runs one row of
-SEQ_LEN tokens per batch shard (the planner's micro-batch); the decode step one replica of the
-planner's rollout choice with its slots, each holding prompt_len + output_len.mean tokens. bf16
-params and activations, scan_layers=True, remat="full". Each device count runs in its own process
+meshes/plan-v5p-h100-qwen2_7b.yaml and plan-v5e-v6e-qwen2_7b.yaml. The train step runs the
+planner's micro-batch (rows of prompt_len + output_len.max tokens per batch shard, the plans'
+plan.train) with its remat policy; the decode step one replica of the planner's rollout choice
+with its slots, each holding prompt_len + output_len.mean tokens. bf16 params and activations,
+scan_layers=True. And the length sweep: Qwen2.5-1.5B at 8
+rows x 1k..8k tokens per micro-batch on the planner's 8 x v5e layout (the step's memory should
+grow linearly with the length). Each device count runs in its own process
 (XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts).
 
   python benchmarks/compile_sizes.py [--only qwen2_7b] [--out benchmarks/out/compile_sizes.json]
     -> the JSON and the table in benchmarks/README.md
+  python benchmarks/compile_sizes.py --part fit
+    -> benchmarks/out/memory_fit.json: the train step on FIT_POINTS (8-32 devices) and the
+       least-squares (non-negative, on relative errors) fit of planner/cost_model.py's HEAD_BYTES,
+       OPT_TEMP_BYTES and SAVED_BYTES to XLA's peak bytes, the TRAIN_MEMORY_MARGIN that covers
+       its largest under-estimate, and each point's error at the committed constants
 """
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -26,15 +33,49 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-BEGIN, END = "<!-- compile-sizes:begin -->", "<!-- compile-sizes:end -->"
-SEQ_LEN = 4096  # tokens per row of the train micro-batch, one row per batch shard
 CLUSTER = os.path.join(ROOT, "meshes", "cluster-v5p-h100.yaml")  # the workload (prompt, output, batch)
 PLANS = ("plan-v5p-h100-qwen2_7b.yaml", "plan-v5e-v6e-qwen2_7b.yaml")
 LLAMA_70B = dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, mlp_dim=28672,
                  tie_embeddings=False, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=8192)
 MODELS = ("qwen2_7b", "qwen2_14b", "llama_70b")
 SLICES = (("v5p", 32), ("H100", 8))
+# Qwen2.5-1.5B (Qwen2-1.5B's shape) GRPO on the planner's 8 x v5e (16 GB) layout at 8 rows per
+# micro-batch, one per batch shard, over lengths: the train step's memory against the length.
+SWEEP = dict(model="qwen2_1_5b", device_type="v5e", devices=8, lengths=(1024, 2048, 4096, 8192))
 GIB = 2**30
+# (model, train mesh, tokens per row, rows per batch shard, remat): the points the planner's
+# train_memory is fitted to.
+# yapf: disable
+FIT_POINTS = (
+    ("qwen2_1_5b", {"data": 4, "fsdp": 2}, 4096, 1, "full"),
+    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "full"),
+    ("qwen2_1_5b", {"fsdp": 8}, 8192, 1, "full"),
+    ("qwen2_1_5b", {"fsdp": 8}, 2048, 4, "full"),
+    ("qwen2_1_5b", {"fsdp": 4, "tensor": 2}, 4096, 1, "full"),
+    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "dots"),
+    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "none"),
+    ("qwen2_7b", {"fsdp": 8}, 4096, 1, "full"),
+    ("qwen2_7b", {"data": 2, "fsdp": 4}, 8192, 1, "full"),
+    ("qwen2_7b", {"fsdp": 4, "tensor": 2}, 4096, 1, "full"),
+    ("qwen2_7b", {"fsdp": 8}, 4096, 1, "dots"),
+    ("qwen2_7b", {"fsdp": 8}, 2048, 2, "none"),
+    ("qwen2_7b", {"fsdp": 4, "tensor": 2}, 16384, 1, "dots"),
+    ("qwen2_7b", {"fsdp": 8}, 16384, 1, "full"),
+    ("qwen2_14b", {"fsdp": 8}, 16384, 1, "full"),
+    ("qwen2_14b", {"data": 2, "fsdp": 4}, 8192, 2, "full"),
+    ("qwen2_14b", {"fsdp": 4, "tensor": 2}, 16384, 1, "dots"),
+    ("llama_70b", {"fsdp": 8}, 8192, 1, "full"),
+    ("llama_70b", {"fsdp": 8}, 16384, 1, "full"),
+    ("llama_70b", {"fsdp": 4, "tensor": 2}, 16384, 1, "full"),
+    ("qwen2_14b", {"fsdp": 8}, 16384, 2, "full"),
+    ("qwen2_7b", {"data": 4, "fsdp": 4, "tensor": 2}, 16384, 1, "dots"),
+    ("llama_70b", {"fsdp": 16, "tensor": 2}, 8192, 1, "full"),
+    ("llama_70b", {"fsdp": 32}, 8192, 1, "full"),
+    ("llama_70b", {"fsdp": 8, "tensor": 4}, 16384, 1, "full"),
+    ("qwen2_14b", {"fsdp": 8, "tensor": 4}, 16384, 1, "dots"),
+)
+FIT_DEVICES = 32  # the fit's process simulates this many; each point's pool takes the first it needs
+# yapf: enable
 
 
 def model_cfg(name):
@@ -51,13 +92,16 @@ def workload():
     return Workload.from_dict(yaml.safe_load(f)["workload"])
 
 
-def planner_layout(m, dev, n, w):
-  """The planner's train layout of n chips: the fastest that fits (allocate.Problem.train_choice)."""
+def planner_train(m, dev, n, w, seq_len) -> dict:
+  """The planner's train step on n chips, as allocate.Problem.train_choice picks it: the fastest
+  layout (mesh and remat) that fits, and its micro-batch's rows per batch shard; {} if none fits."""
   from jaxrl_hex.planner import cost_model as cm
-  layouts = list(cm.train_layouts(m, dev, n, SEQ_LEN, w.sequences))
+  layouts = list(cm.train_layouts(m, dev, n, seq_len, w.sequences))
   if not layouts:
-    return None
-  return min(layouts, key=lambda t: cm.train_time(m, dev, t, w.trained_tokens, SEQ_LEN).total_s)
+    return {}
+  best = min(layouts, key=lambda t: cm.train_time(m, dev, t, w.trained_tokens, seq_len).total_s)
+  per_shard = -(-w.sequences // (best.data * best.fsdp))
+  return dict(mesh=best.mesh(), remat=best.remat, rows=cm.micro_batch_rows(m, dev, best, seq_len, per_shard))
 
 
 def planner_replica(m, dev, w):
@@ -72,16 +116,28 @@ def cases(only):
   from jaxrl_hex.planner import cost_model as cm
   from jaxrl_hex.planner.catalog import load_catalog
   catalog, w, out = load_catalog(), workload(), []
+  seq_len = w.prompt_len + w.output_max  # the planner's row: one max-length sequence
   for name in MODELS:
     if only and name not in only:
       continue
     m = cm.ModelCost.from_config(model_cfg(name))
     for kind, n in SLICES:
-      layout, rep = planner_layout(m, catalog[kind], n, w), planner_replica(m, catalog[kind], w)
+      train, rep = planner_train(m, catalog[kind], n, w, seq_len), planner_replica(m, catalog[kind], w)
       out.append(
-          dict(model=name, device_type=kind, source=f"planner, {kind} x {n}", devices=n,
-               mesh=None if layout is None else layout.mesh(), rollout_tensor=rep and rep.tensor, rollout_slots=rep and
-               rep.slots))
+          dict(model=name, device_type=kind, source=f"planner, {kind} x {n}", devices=n, seq_len=seq_len,
+               **({
+                   "mesh": None
+               } | train), rollout_tensor=rep and rep.tensor, rollout_slots=rep and rep.slots))
+  if not only or SWEEP["model"] in only:
+    m = cm.ModelCost.from_config(model_cfg(SWEEP["model"]))
+    train = planner_train(m, catalog[SWEEP["device_type"]], SWEEP["devices"], w, 4096)
+    for length in SWEEP["lengths"]:  # the planner's layout for 4k, one row per batch shard
+      out.append(
+          dict(model=SWEEP["model"], device_type=SWEEP["device_type"], devices=SWEEP["devices"], seq_len=length,
+               source=f"planner, {SWEEP['device_type']} x {SWEEP['devices']}, 8 rows x {length}",
+               **(train | {
+                   "rows": 8 // SWEEP["devices"]
+               })))
   for plan in PLANS:
     with open(os.path.join(ROOT, "meshes", plan)) as f:
       raw = yaml.safe_load(f)
@@ -90,16 +146,22 @@ def cases(only):
       continue
     train, rollout = raw["pools"]["train"], raw["pools"]["rollout"]["replicas"][0]
     m = cm.ModelCost.from_config(model_cfg(name))
-    rep = cm.replica(m, catalog[rollout["device_type"]], rollout["mesh"]["tensor"], w)
+    pw = cm.Workload.from_dict(raw["plan"]["workload"])  # the plan's own workload
+    rep = cm.replica(m, catalog[rollout["device_type"]], rollout["mesh"]["tensor"], pw)
+    knobs, batch_ways, plan_len = raw["plan"][
+        "train"], train["mesh"]["data"] * train["mesh"]["fsdp"], pw.prompt_len + pw.output_max
+    rows = knobs["micro_batch_tokens"] // (batch_ways * plan_len) or -(-pw.sequences // batch_ways)  # 0: whole batch
     out.append(
         dict(model=name, device_type=train["device_type"], source=f"meshes/{plan}", devices=train["devices"],
-             mesh=train["mesh"], rollout_device_type=rollout["device_type"], rollout_tensor=rollout["mesh"]["tensor"],
-             rollout_slots=rep and rep.slots))
+             seq_len=plan_len, workload=raw["plan"]["workload"], mesh=train["mesh"], remat=knobs["remat"], rows=rows,
+             rollout_device_type=rollout["device_type"], rollout_tensor=rollout["mesh"]["tensor"], rollout_slots=rep and
+             rep.slots))
   return out
 
 
 def measure(case, w) -> dict:
-  """In a process with the case's device count: compile the train step and the decode step."""
+  """In a process with the case's device count: compile the train step and the decode step
+  (under the case's own workload, a plan's, where it has one, else w)."""
   from jaxrl_hex import footprint, meshes
   from jaxrl_hex.config import base_config
   from jaxrl_hex.models.policy import Policy
@@ -108,18 +170,21 @@ def measure(case, w) -> dict:
   from jaxrl_hex.rl.objectives import make_rl_loss
   from jaxrl_hex.rl.trainer import make_optimizer
   cfg, base = model_cfg(case["model"]), base_config()
+  cfg.remat = case.get("remat", cfg.remat)
+  w = cm.Workload.from_dict(case["workload"]) if "workload" in case else w
   policy, m, catalog = Policy.build(cfg), cm.ModelCost.from_config(cfg), load_catalog()
-  out = dict(case, hbm_bytes=catalog[case["device_type"]].hbm_bytes, seq_len=SEQ_LEN)
+  seq_len, rows = case["seq_len"], case.get("rows", 1)
+  out = dict(case, hbm_bytes=catalog[case["device_type"]].hbm_bytes)
   if case["mesh"] is not None:
     pool = meshes.Pool(meshes.PoolSpec("train", tuple(range(case["devices"])), case["mesh"], meshes.DEFAULT_RULES))
     objective, tx = make_rl_loss(base.algo, 1.0), make_optimizer(base.optim, 100)
-    rows = pool.batch_ways  # one row of SEQ_LEN per batch shard
-    prompt = w.prompt_len
-    batch = footprint.full_batch(rows, prompt, SEQ_LEN - prompt, group_size=1)
+    prompt = min(w.prompt_len, seq_len // 2)
+    batch = footprint.full_batch(pool.batch_ways * rows, prompt, seq_len - prompt, group_size=1)
     step = footprint.train_step(policy, pool, objective, tx, batch)
     out["train"] = {k: step[k].as_dict() for k in ("start", "update")}
     out["train_layout"] = list(step["layout"])
-    out["planner_train_bytes"] = cm.train_memory(m, cm.TrainLayout(**case["mesh"]), SEQ_LEN)
+    layout = cm.TrainLayout(**{"data": 1, "fsdp": 1, "tensor": 1, **case["mesh"]}, remat=cfg.remat)
+    out["planner_train_bytes"] = cm.train_memory(m, layout, seq_len, rows)
     out["state_bytes"] = footprint.sharded_bytes((step["state"].params, step["state"].opt_state))
   if case.get("rollout_tensor"):
     t = case["rollout_tensor"]
@@ -132,13 +197,69 @@ def measure(case, w) -> dict:
   return out
 
 
+def measure_fit_points() -> list:
+  """In a process with FIT_DEVICES devices: XLA's peak bytes of the update on every FIT_POINTS entry."""
+  import numpy as np
+
+  from jaxrl_hex import footprint, meshes
+  from jaxrl_hex.config import base_config
+  from jaxrl_hex.models.policy import Policy
+  from jaxrl_hex.rl.objectives import make_rl_loss
+  from jaxrl_hex.rl.trainer import make_optimizer
+  base, out = base_config(), []
+  for name, mesh, seq_len, rows, remat in FIT_POINTS:
+    cfg = model_cfg(name)
+    cfg.remat = remat
+    devices = tuple(range(int(np.prod(list(mesh.values())))))
+    pool = meshes.Pool(meshes.PoolSpec("train", devices, mesh, meshes.DEFAULT_RULES))
+    prompt = min(1024, seq_len // 2)
+    batch = footprint.full_batch(pool.batch_ways * rows, prompt, seq_len - prompt, group_size=1)
+    step = footprint.train_step(Policy.build(cfg), pool, make_rl_loss(base.algo, 1.0), make_optimizer(base.optim, 100),
+                                batch)
+    out.append(
+        dict(model=name, mesh=mesh, seq_len=seq_len, rows=rows, remat=remat, peak_bytes=step["update"].peak_bytes))
+  return out
+
+
+def fit(points) -> dict:
+  """Non-negative least squares of (peak - state) on cost_model.train_memory's terms."""
+  import numpy as np
+  from scipy.optimize import nnls
+
+  from jaxrl_hex.planner import cost_model as cm
+  features, targets, states = [], [], []
+  for p in points:
+    m = cm.ModelCost.from_config(model_cfg(p["model"]))
+    layout = cm.TrainLayout(**{"data": 1, "fsdp": 1, "tensor": 1, **p["mesh"]}, remat=p["remat"])
+    shards, t = layout.fsdp * layout.tensor, layout.tensor
+    token_layers = p["rows"] * p["seq_len"] * m.n_layers
+    features.append(
+        [m.vocab * m.d_model / t, m.params / shards] +
+        [token_layers * width * (p["remat"] == r) for r in cm.REMATS for width in (m.d_model, m.mlp_dim / t)])
+    states.append(4 * m.weight_bytes / shards)
+    targets.append(p["peak_bytes"] - states[-1])
+    p["planner_bytes"] = cm.train_memory(m, layout, p["seq_len"], p["rows"])
+    p["planner_error"] = p["planner_bytes"] / p["peak_bytes"] - 1
+  peaks = np.array([p["peak_bytes"] for p in points], float)
+  # relative errors count alike: each row divided by its peak
+  coef, _ = nnls(np.array(features) / peaks[:, None], np.array(targets) / peaks)
+  errors = (np.array(features) @ coef + np.array(states)) / peaks - 1
+  fitted = dict(HEAD_BYTES=coef[0], OPT_TEMP_BYTES=coef[1], SAVED_BYTES={
+      r: tuple(coef[2 + 2 * i:4 + 2 * i]) for i, r in enumerate(cm.REMATS)
+  }, TRAIN_MEMORY_MARGIN=1 / (1 + min(errors.min(), 0)) - 1)
+  committed = dict(HEAD_BYTES=cm.HEAD_BYTES, OPT_TEMP_BYTES=cm.OPT_TEMP_BYTES, SAVED_BYTES=cm.SAVED_BYTES,
+                   TRAIN_MEMORY_MARGIN=cm.TRAIN_MEMORY_MARGIN)
+  return dict(fitted=fitted, committed=committed, points=points)
+
+
 def gib(b):
   return f"{b / GIB:.1f}"
 
 
 def table(results) -> str:
   rows = [
-      "| model | layout (source) | train mesh | train step XLA GiB/dev (state) | planner GiB/dev | XLA / planner "
+      "| model | layout (source) | train mesh, rows x tokens per shard, remat "
+      "| train step XLA GiB/dev (state) | planner GiB/dev | XLA / planner "
       "| HBM GiB | fits | compile s (update) | decode: tensor x slots | decode XLA GiB/dev | planner GiB/dev "
       "| compile s (decode) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   ]
@@ -147,6 +268,7 @@ def table(results) -> str:
     if "train" in r:
       peak = r["train"]["update"]["peak_bytes"]
       mesh = "x".join(f"{k[0]}{v}" for k, v in r["mesh"].items())
+      mesh += f", {r.get('rows', 1)} x {r['seq_len']}, remat {r.get('remat', 'full')}"
       train = (f"{mesh} | {gib(peak)} ({gib(r['state_bytes'])}) | {gib(r['planner_train_bytes'])} | "
                f"{peak / r['planner_train_bytes']:.2f} | {gib(hbm)} | {'yes' if peak <= hbm else 'NO'} | "
                f"{r['train']['update']['compile_seconds']:.0f}")
@@ -162,19 +284,13 @@ def table(results) -> str:
   return "\n".join(rows)
 
 
-def write_readme(text):
-  path = os.path.join(HERE, "README.md")
-  body = open(path).read()
-  section = f"{BEGIN}\n{text}\n{END}"
-  if BEGIN not in body:
-    raise SystemExit(f"{path}: no {BEGIN} ... {END} block to rewrite")
-  with open(path, "w") as f:
-    f.write(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, body, flags=re.S))
+def device_env(n):
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}")
 
 
 def run_case(case, timeout) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={case['devices']}")
+  env = device_env(case["devices"])
   t0 = time.perf_counter()
   try:
     done = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], env=env, capture_output=True,
@@ -187,14 +303,30 @@ def run_case(case, timeout) -> dict:
 
 
 def main():
+  from readme_section import write_section  # benchmarks/ is on the path when run as a script
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--only", nargs="*", choices=MODELS, help="models to measure (default: all)")
+  ap.add_argument("--only", nargs="*", choices=MODELS + (SWEEP["model"],), help="models to measure (default: all)")
   ap.add_argument("--out", default=os.path.join(HERE, "out", "compile_sizes.json"))
   ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case (one process)")
+  ap.add_argument("--part", choices=("sizes", "fit"), default="sizes")
   ap.add_argument("--case", help=argparse.SUPPRESS)  # the worker: one case, in its own process
   args = ap.parse_args()
   if args.case:
-    print(json.dumps(measure(json.loads(args.case), workload())))
+    case = json.loads(args.case)
+    print(json.dumps(measure_fit_points() if case == "fit" else measure(case, workload())))
+    return
+  if args.part == "fit":
+    done = subprocess.run([sys.executable, __file__, "--case", '"fit"'], env=device_env(FIT_DEVICES),
+                          capture_output=True, text=True, check=True)
+    result = fit(json.loads(done.stdout.strip().splitlines()[-1]))
+    path = os.path.join(HERE, "out", "memory_fit.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(result, f, indent=2)
+    print(json.dumps({k: result[k] for k in ("fitted", "committed")}, indent=1))
+    for p in result["points"]:
+      print(f"{p['model']:11} {p['mesh']} {p['rows']} x {p['seq_len']:5} {p['remat']:4}  XLA "
+            f"{gib(p['peak_bytes']):>5} GiB  planner {gib(p['planner_bytes']):>5} GiB  {p['planner_error']:+.0%}")
     return
   results = []
   for case in cases(args.only):
@@ -207,7 +339,7 @@ def main():
   text = table(results)
   print(text)
   if not args.only:
-    write_readme(text)
+    write_section("compile-sizes", text, "Real model sizes, proven by XLA (benchmarks/compile_sizes.py)")
 
 
 if __name__ == "__main__":

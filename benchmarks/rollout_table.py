@@ -9,7 +9,6 @@ interleaved rounds (ours, naive, tunix, ours, ...) and keeps each engine's best 
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -17,7 +16,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOADS = ("W1", "W2", "W5")
 ENGINES = ("ours", "naive", "tunix")
 TARGETS = {"W1": {"tunix": 1.5}, "W2": {"tunix": 2.0}, "W5": {"naive": 3.0, "tunix": 3.0}}
-BEGIN, END = "<!-- rollout-table:begin -->", "<!-- rollout-table:end -->"
 
 
 def run(workload, engine, repeats):
@@ -45,19 +43,8 @@ def table(results) -> str:
   return "\n".join(rows)
 
 
-def write_readme(text):
-  path = os.path.join(HERE, "README.md")
-  body = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-  section = f"{BEGIN}\n{text}\n{END}"
-  if BEGIN in body:
-    body = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, body, flags=re.S)
-  else:
-    body = body.rstrip() + "\n\n## Rollout engine (benchmarks/rollout.py)\n\n" + section + "\n"
-  with open(path, "w") as f:
-    f.write(body)
-
-
 def main():
+  from readme_section import write_section  # benchmarks/ is on the path when run as a script
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--repeats", type=int, default=1, help="warm runs per process")
@@ -73,7 +60,7 @@ def main():
           results[(w, e)] = got
   text = table(results)
   print(text)
-  write_readme(text)
+  write_section("rollout-table", text, "Rollout engine (benchmarks/rollout.py)")
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

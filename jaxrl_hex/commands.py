@@ -117,6 +117,9 @@ def config_overrides(unparsed: list[str]) -> list[tuple[str, str]]:
   return out
 
 
+PLAN_WORKLOAD = (("batch_size", "prompts_per_step"), ("group_size", "group_size"))  # plan.workload -> rollout.*
+
+
 def _main(name, args, unparsed):
   cfg = load_config_file(args.config)
   overrides = config_overrides(unparsed)
@@ -125,12 +128,16 @@ def _main(name, args, unparsed):
   if use_gin:  # gin binds onto the same ConfigDict, after the --config.* overrides (it may name the mesh file)
     apply_gin(cfg, args.gin_file, args.gin_bindings)
   mesh_file = load_mesh(cfg)
-  if mesh_file.workload:  # a plan's batch is the run's, unless the user set the field (runtime.validate names it)
-    for key, field in (("batch_size", "prompts_per_step"), ("group_size", "group_size")):
-      if f"rollout.{field}" not in {k for k, _ in overrides}:
-        cfg.rollout[field] = mesh_file.workload[key]
-    if use_gin:  # gin bindings win over the plan too
-      apply_gin(cfg, args.gin_file, args.gin_bindings)
+  # A plan's batch, remat and micro-batch are the run's, unless the user set the field (runtime.validate names it).
+  plan = {f"rollout.{field}": mesh_file.workload[key] for key, field in PLAN_WORKLOAD if mesh_file.workload}
+  plan.update(mesh_file.train_knobs)
+  overridden = {k for k, _ in overrides}
+  for field, value in plan.items():
+    if field not in overridden:
+      section, key = field.split(".")
+      cfg[section][key] = value
+  if plan and use_gin:  # gin bindings win over the plan too
+    apply_gin(cfg, args.gin_file, args.gin_bindings)
   cfg.lock()  # fields can change, none can appear: a typo in code fails like one on the command line
   if name == "train":  # the backend against the mesh file (replica groups need Ray) before any device is touched
     check_config(cfg, mesh_file)

@@ -42,7 +42,9 @@ def base_config() -> ml_collections.ConfigDict:
           # engine (jaxrl_hex/rollout/engine.py): decode slots (0 = prompts_per_step x group_size), longest
           # prompt in tokens, extra stop ids ([] = the tokenizer's EOS) and stop strings, weight switch
           # mid-generation (recompute | finish), decode steps per host hand-back, per-device budget for
-          # KV cache + weights in GiB (0 = the device's own limit where it reports one)
+          # KV cache + weights in GiB (0 = the device's own limit where it reports one); a paged KV cache:
+          # tokens per block (0 = contiguous, each slot reserves its longest sequence) and blocks in the pool
+          # (0 = the contiguous cache's memory; with more slots than it holds longest sequences)
           min_p=0.0,
           slots=0,
           max_prompt_len=64,
@@ -50,7 +52,9 @@ def base_config() -> ml_collections.ConfigDict:
           stop=[],
           interrupt="recompute",
           steps_per_sync=16,
-          memory_budget_gb=0.0))
+          memory_budget_gb=0.0,
+          kv_page_size=0,
+          kv_blocks=0))
 
   # The RL algorithm (jaxrl_hex/rl): pieces by registered name, presets in configs/{grpo,dapo,ppo,...}.py
   c.algo = ml_collections.ConfigDict(
@@ -110,11 +114,22 @@ def validate_fields(cfg, tokenizer=None):
   """Checks of single fields (the cross-layer ones are runtime.validate's); raises ConfigError."""
   if cfg.train.max_staleness < 0:
     raise ConfigError("train.max_staleness must be >= 0 (0 = synchronous, on-policy RL)")
+  check_paged_kv(cfg.rollout.kv_page_size, cfg.rollout.kv_blocks)
   if cfg.rollout.temperature <= 0:
     raise ConfigError("rollout.temperature must be > 0 for RL sampling; greedy decoding is used for eval only")
   if tokenizer is not None and cfg.model.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                       f"{tokenizer.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size} or more")
+
+
+def check_paged_kv(page_size: int, blocks: int):
+  """rollout.kv_page_size and rollout.kv_blocks on their own (the engine checks them against its pool)."""
+  if page_size < 0 or blocks < 0:
+    raise ConfigError(f"rollout.kv_page_size={page_size} and rollout.kv_blocks={blocks} must be >= 0 "
+                      "(kv_page_size 0 = the contiguous KV cache; kv_blocks 0 = the contiguous cache's memory)")
+  if blocks and not page_size:
+    raise ConfigError(f"rollout.kv_blocks={blocks} sizes a paged KV cache; set rollout.kv_page_size > 0 "
+                      "(tokens per block, e.g. 16) or leave kv_blocks at 0")
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:

@@ -144,9 +144,9 @@ def train_step(policy, pool, objective, tx, batch: TrainBatch, state: TrainState
   rows, per_seq, slot, minibatch_of = step_inputs(pool, layout, batch, place)
   models = (policy, None if state.critic_params is None else critic_model(policy))
   inputs = StartInputs(state.params, rows, per_seq, slot, minibatch_of, state.ref_params, state.critic_params)
-  compiled_start, start = compile_program("start", start_program(objective, models), inputs)
+  compiled_start, start = compile_program("start", start_program(pool, objective, models), inputs)
   data = outputs(compiled_start)[0]
-  update_fn = update_program(objective, models, tx, objective.critic_optimizer, state.shardings())
+  update_fn = update_program(pool, objective, models, tx, objective.critic_optimizer, state.shardings())
   i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=pool.replicated())
   _, update = compile_program("update", update_fn, state.params, state.opt_state, state.critic_params,
                               state.critic_opt_state, rows, data, i32, i32, num_seqs=layout.slot.shape[0] + 1)
@@ -154,15 +154,11 @@ def train_step(policy, pool, objective, tx, batch: TrainBatch, state: TrainState
 
 
 def decode_step(policy, pool, max_new_tokens: int, **engine_options) -> Program:
-  """Compiles the engine's decode program over its whole KV ring (the widest span it runs) for
+  """Compiles the engine's decode program over its whole KV cache (the widest span it runs) for
   `pool` without weights; engine_options: the Engine keywords (slots, max_prompt_len, ...)."""
   engine = Engine(policy, pool, None, max_new_tokens, **dict({"eos_ids": (0,)}, **engine_options))
-  params = abstract(policy.shapes(), engine.param_shardings)
-  state = abstract(jax.eval_shape(engine._init_state), engine._state_shardings)
-  t0 = time.perf_counter()
-  compiled = engine._compile(("decode", False, engine.length), engine._decode_fn(engine.length), params, state,
-                             np.zeros(engine.num_slots, bool), np.bool_(False), host_outputs=True)
-  return _program("decode", compiled, time.perf_counter() - t0)
+  jitted, args = engine.decode_program()
+  return compile_program("decode", jitted, *args)[1]
 
 
 def device_memory(pool, catalog=None) -> tuple[int, str]:

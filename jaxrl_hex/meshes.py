@@ -137,6 +137,9 @@ class MeshFile:
   # A plan's workload (`plan.workload` of a file `jaxrl-hex plan` wrote): {batch_size, group_size}, the
   # run's rollout.prompts_per_step and rollout.group_size unless the user sets them; None when hand-written.
   workload: dict | None = None
+  # What the planner chose for the train step besides its mesh (`plan.train`): {model.remat,
+  # algo.micro_batch_tokens} by config field, the run's unless the user sets them; {} when none.
+  train_knobs: dict = dataclasses.field(default_factory=dict)
 
 
 def load_mesh_file(path: str) -> MeshFile:
@@ -185,7 +188,8 @@ def load_mesh_file(path: str) -> MeshFile:
     shared = sorted({i for i in all_ids if all_ids.count(i) > 1})
     raise MeshError(f"{path}: pools share devices {shared}; give each pool its own devices, or set "
                     "share_devices: true (one accelerator: both pools on it, weights held twice)")
-  return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools, _plan_workload(path, raw.get("plan")))
+  return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools, _plan_workload(path, raw.get("plan")),
+                  _plan_train_knobs(path, raw.get("plan")))
 
 
 def _plan_workload(path, plan) -> dict | None:
@@ -200,6 +204,28 @@ def _plan_workload(path, plan) -> dict | None:
       raise MeshError(f"{path}: plan.workload.{key} must be a positive integer, got {value!r}; "
                       "write the plan again with `jaxrl-hex plan` or delete the plan block")
     out[key] = value
+  return out
+
+
+# plan.train key -> (the config field it sets, its check)
+PLAN_TRAIN_KNOBS = {
+    "remat": ("model.remat", lambda v: v in ("none", "dots", "full")),
+    "micro_batch_tokens": ("algo.micro_batch_tokens", lambda v: type(v) is int and v >= 0)
+}
+
+
+def _plan_train_knobs(path, plan) -> dict:
+  """`plan.train`'s remat and micro-batch of a planner-written file, by config field."""
+  train = plan.get("train") if isinstance(plan, dict) else None
+  if not isinstance(train, dict):
+    return {}
+  out = {}
+  for key, (field, ok) in PLAN_TRAIN_KNOBS.items():
+    if key in train:
+      if not ok(train[key]):
+        raise MeshError(f"{path}: plan.train.{key}={train[key]!r} is not a valid {field}; "
+                        "write the plan again with `jaxrl-hex plan` or delete the key")
+      out[field] = train[key]
   return out
 
 
@@ -358,6 +384,14 @@ class Pool:
 
   def replicated(self):
     return NamedSharding(self.mesh, PartitionSpec())
+
+  def activation_sharding(self, logical_axes, shape):
+    """An activation's sharding by its logical axes (models.sharding.constrain), or None where a
+    dim does not divide: unlike a parameter, an activation may be too small to split."""
+    try:
+      return self.sharding(logical_axes, shape)
+    except MeshError:
+      return None
 
   @property
   def batch_ways(self) -> int:

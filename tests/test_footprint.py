@@ -88,6 +88,14 @@ def test_decode_step_arguments_are_the_weights_and_the_kv_cache(pools, setup):
   assert decode.argument_bytes > params + cache
   assert decode.alias_bytes >= cache  # the cache is donated and written in place
   assert decode.peak_bytes < decode.argument_bytes + decode.output_bytes + decode.temp_bytes
+  # paged: a pool of 64 blocks of 4 tokens [blocks / data, kv_heads / tensor, ...] per layer, fp32
+  paged = footprint.decode_step(policy, pool, 8, slots=32, max_prompt_len=16, steps_per_sync=4, kv_page_size=4,
+                                kv_blocks=64)
+  pool_bytes = 2 * m.n_layers * (64 // 2) * 4 * (m.n_kv_heads // 2) * m.head_dim * 4
+  tables = (32 // 2) * (24 // 4) * 4  # [slots / data, blocks per slot] int32
+  assert pool_bytes == cache // 3
+  assert paged.argument_bytes > params + pool_bytes + tables
+  assert paged.alias_bytes >= pool_bytes
 
 
 def _tiny_catalog(hbm_gb):

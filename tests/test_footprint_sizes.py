@@ -39,10 +39,8 @@ def test_one_b_state_is_sharded_eight_ways(compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True, reason="train_memory has no term for the output head gathered over fsdp with its "
-    "fp32 gradient, nor for the [T, T] attention scores: 2.42 GiB against XLA's 3.28")
 def test_planner_train_memory_is_within_a_quarter_of_xla(compiled):
+  # a shape the memory model was not fitted to (benchmarks/compile_sizes.py FIT_POINTS are Qwen2's)
   cfg, step = compiled
-  planner = cm.train_memory(cm.ModelCost.from_config(cfg), cm.TrainLayout(1, 4, 2), SEQ_LEN)
+  planner = cm.train_memory(cm.ModelCost.from_config(cfg), cm.TrainLayout(1, 4, 2, "full"), SEQ_LEN)
   assert abs(planner / step["update"].peak_bytes - 1) <= 0.25

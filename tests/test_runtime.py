@@ -91,7 +91,8 @@ num_devices: 8
 pools:
   train: {devices: 4, mesh: {fsdp: 4}}
   rollout: {devices: 4, mesh: {data: 4}}
-plan: {model: tiny, workload: {batch_size: 8, group_size: 2, prompt_len: 8}}
+plan: {model: tiny, workload: {batch_size: 8, group_size: 2, prompt_len: 8},
+       train: {remat: dots, micro_batch_tokens: 256}}
 """
 
 
@@ -111,6 +112,9 @@ def test_the_plans_workload_becomes_the_runs_batch_unless_the_user_sets_it(tmp_p
   mesh = [f"--config.mesh_file={plan}"]
   cfg = _main_config(tmp_path, monkeypatch, mesh)
   assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (8, 2)
+  assert (cfg.model.remat, cfg.algo.micro_batch_tokens) == ("dots", 256)  # the planner's train knobs too
+  cfg = _main_config(tmp_path, monkeypatch, mesh + ["--config.model.remat=full"])
+  assert (cfg.model.remat, cfg.algo.micro_batch_tokens) == ("full", 256)
   cfg = _main_config(tmp_path, monkeypatch, mesh + ["--config.rollout.group_size=4"])
   assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (8, 4)
   cfg = _main_config(tmp_path, monkeypatch, mesh, gin=["rollout.prompts_per_step = 16"])
@@ -212,3 +216,5 @@ def test_replica_groups_that_the_runtime_cannot_run_fail_in_one_line(tmp_path):
   assert "replicas[1] have no share while other groups do" in _one_line(MeshError, meshes.load_mesh_file, str(bad))
   bad.write_text(PLAN_FILE.replace("batch_size: 8", "batch_size: eight"))
   assert "plan.workload.batch_size must be a positive integer" in _one_line(MeshError, meshes.load_mesh_file, str(bad))
+  bad.write_text(PLAN_FILE.replace("remat: dots", "remat: some"))
+  assert "plan.train.remat='some' is not a valid model.remat" in _one_line(MeshError, meshes.load_mesh_file, str(bad))

@@ -211,5 +211,9 @@ def blockwise_attention(q, keys, values, mask: Segments, scale: float, cap: floa
   tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
   mask = Segments(_pad_to(mask.q_segments, 1, tp), _pad_to(mask.q_positions, 1, tp), _pad_to(mask.k_segments, 1, sp),
                   _pad_to(mask.k_positions, 1, sp), jnp.asarray(mask.window, jnp.int32))
+  # Tied to q, so the mask counts as varying with it: otherwise JAX's partial evaluation of the
+  # differentiated layer scan hoists every tile's mask out of the loop as loop-invariant, all
+  # [T/block, S/block, B, H, block, block] of it at once.
+  q, mask = jax.lax.optimization_barrier((q, mask))
   out = _attend(_pad_to(q, 3, tp), _pad_to(keys, 3, sp), _pad_to(values, 2, sp), mask, scale, cap, bq, bk)
   return out[:, :, :, :t]

@@ -22,6 +22,7 @@ With cfg.scan_layers the layers are one Block whose params lead with a "layers" 
 the depth; stack_layers / unstack_layers convert params between the two layouts. cfg.remat wraps
 each layer's application in jax.checkpoint.
 """
+import dataclasses
 import math
 
 import jax
@@ -32,6 +33,7 @@ from flax import nnx
 
 from jaxrl_hex.models.attention import Segments, blockwise_attention
 from jaxrl_hex.models.config import is_sliding
+from jaxrl_hex.models.sharding import constrain
 
 # A list of (keys, values) in the layout of CACHE_AXES: one pair per layer, or with
 # cfg.scan_layers one pair for all layers, stacked [L, ...] (see cache_axes).
@@ -157,7 +159,9 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, table), rope(k, table)
     keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache layout (init_cache)
-    if cache is not None:
+    if isinstance(cache_index, PagedIndex):
+      keys, values, cache = cache_index.write_read(cache, keys, values)
+    elif cache is not None:
       keys = jax.lax.dynamic_update_slice_in_dim(cache[0], keys.astype(cache[0].dtype), cache_index, axis=3)
       values = jax.lax.dynamic_update_slice_in_dim(cache[1], values.astype(cache[1].dtype), cache_index, axis=2)
       cache = (keys, values)
@@ -197,6 +201,10 @@ class MLP(nnx.Module):
     return (h @ self.down[...].astype(dt)).reshape(x.shape)
 
 
+# The residual stream [B, T, d_model]: split over the batch axes only (models.sharding).
+RESIDUAL_AXES = ("batch", "length", "act_embed")
+
+
 class Block(nnx.Module):
 
   def __init__(self, cfg, rngs, sliding=False):
@@ -210,10 +218,11 @@ class Block(nnx.Module):
     self.post_norms, self.sliding = cfg.post_norms, sliding
 
   def __call__(self, x, table, mask, cache, cache_index):
+    x = constrain(x, RESIDUAL_AXES)
     a, cache = self.attn(self.attn_norm(x), table, mask, cache, cache_index)
-    x = x + (self.post_attn_norm(a) if self.post_norms else a)
+    x = constrain(x + (self.post_attn_norm(a) if self.post_norms else a), RESIDUAL_AXES)
     m = self.mlp(self.mlp_norm(x))
-    return x + (self.post_mlp_norm(m) if self.post_norms else m), cache
+    return constrain(x + (self.post_mlp_norm(m) if self.post_norms else m), RESIDUAL_AXES), cache
 
 
 class Decoder(nnx.Module):
@@ -244,7 +253,7 @@ class Decoder(nnx.Module):
     cfg.dtype), so a caller can run the output head over slices of them (see logits)."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
-    x = self.embed[...].astype(dt)[tokens]
+    x = constrain(self.embed[...].astype(dt)[tokens], RESIDUAL_AXES)
     if cfg.embed_scale != 1.0:  # transformers rounds the scale to the weights' dtype
       x = x * jnp.asarray(np.float32(cfg.embed_scale).astype(cfg.param_dtype), dt)
     local_mask = None
@@ -372,6 +381,45 @@ def causal_mask(valid):
 # p.v are then plain matmuls over the cache as it lies (a [B, S, KV, head_dim] cache is
 # transposed whole at every step on CPU: 2x slower decode attention).
 CACHE_AXES = (("batch", "kv_heads", "head_dim", "length"), ("batch", "kv_heads", "length", "head_dim"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedIndex:
+  """The cache_index of a paged cache: each layer's (keys, values) is a pool of blocks in the
+  cache layout, [blocks, KV, head_dim, P] and [blocks, KV, P, head_dim], and row b's position p
+  lives in block table[b, p // P] at column p % P. The blocks axis splits into `shards` equal
+  parts (the data shards); row b belongs to shard b // (B / shards) and its table names blocks
+  of that part, so under a mesh whose batch axes split both the rows and the blocks each
+  device gathers and writes only its own blocks (vmap over the shards: XLA partitions the
+  batched gather and scatter without collectives)."""
+  table: jax.Array  # [B, M] int32: shard-local block ids; out of range for blocks not held (read clamped, masked)
+  start: jax.Array  # [B] int32: the position of each row's first new token
+  write: jax.Array  # [B] bool: rows whose new keys and values are written (a dead slot's are dropped)
+  shards: int = dataclasses.field(default=1, metadata={"static": True})
+
+  def write_read(self, cache, keys, values):
+    """Writes the new keys [B, KV, hd, T] and values [B, KV, T, hd] at positions start + t and
+    -> (every row's table blocks gathered as keys [B, KV, hd, M P], values [B, KV, M P, hd], the
+    new (keys, values) pools). Rows read their whole table: the mask hides positions not cached."""
+    k_pool, v_pool = cache
+    b, t, (m, page) = keys.shape[0], keys.shape[-1], (self.table.shape[1], k_pool.shape[-1])
+    pos = self.start[:, None] + jnp.arange(t)
+    blk = jnp.take_along_axis(self.table, jnp.minimum(pos // page, m - 1), axis=1)
+    blk = jnp.where(self.write[:, None] & (pos < m * page), blk, k_pool.shape[0])  # out of range: dropped
+    split = lambda x: x.reshape((self.shards, x.shape[0] // self.shards) + x.shape[1:])
+
+    def shard(kp, vp, table, blk, off, k, v):  # [blocks / D, ..] pools, [B / D, ..] rows
+      kp = kp.at[blk, :, :, off].set(k.transpose(0, 3, 1, 2).astype(kp.dtype), mode="drop")  # [b, T, KV, hd]
+      vp = vp.at[blk, :, off, :].set(v.transpose(0, 2, 1, 3).astype(vp.dtype), mode="drop")
+      return kp, vp, kp.at[table].get(mode="clip"), vp.at[table].get(mode="clip")
+
+    kp, vp, gk, gv = jax.vmap(shard)(*map(split, (k_pool, v_pool, self.table, blk, pos % page, keys, values)))
+    gk = gk.reshape((b, m) + gk.shape[3:]).transpose(0, 2, 3, 1, 4)  # [B, KV, hd, M, P]
+    gv = gv.reshape((b, m) + gv.shape[3:]).transpose(0, 2, 1, 3, 4)  # [B, KV, M, P, hd]
+    kv, hd = gk.shape[1], gk.shape[2]
+    return (gk.reshape(b, kv, hd, m * page), gv.reshape(b, kv, m * page,
+                                                        hd), (kp.reshape(k_pool.shape), vp.reshape(v_pool.shape)))
 
 
 def cache_axes(cfg) -> list:

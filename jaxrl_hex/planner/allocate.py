@@ -107,10 +107,24 @@ class TrainChoice:
   fixed_s: float  # the part of a step that does not scale with tokens (for the simulator)
   send_s: float  # pushing new weights out to the rollout side
   price_per_hour: float
+  seq_len: int = 0  # the micro-batch the memory model sized: `rows` rows of seq_len tokens per batch shard
+  rows: int = 1
+  whole_batch: bool = False  # the micro-batch holds the step's every sequence (no accumulation)
+  memory_bytes: float = 0.0  # cost_model.train_memory of that micro-batch, per chip
 
   @property
   def step_s(self) -> float:
     return self.time.total_s + self.send_s
+
+  def knobs(self, dev) -> dict:
+    """What the planner chose besides the mesh, as the run's config sets it (plan.train)."""
+    batch_ways = self.layout.data * self.layout.fsdp
+    return {
+        "remat": self.layout.remat,
+        "micro_batch_tokens": 0 if self.whole_batch else batch_ways * self.rows * self.seq_len,  # 0: one micro-batch
+        "memory_gb_per_chip": round(self.memory_bytes / 1e9, 2),
+        "usable_gb_per_chip": round(cm.MEMORY_HEADROOM * dev.hbm_gb, 2)
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +211,10 @@ class Problem:
       return None
     bw = self._sync_bw(dev, dev)  # the sender's own NIC/link
     fixed = cm.train_time(self.m, dev, best_layout, 0, self.seq_len).total_s
-    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw), n * dev.price_per_hour)
+    per_shard = -(-self.w.sequences // (best_layout.data * best_layout.fsdp))
+    rows = cm.micro_batch_rows(self.m, dev, best_layout, self.seq_len, per_shard)
+    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw), n * dev.price_per_hour,
+                       self.seq_len, rows, rows >= per_shard, cm.train_memory(self.m, best_layout, self.seq_len, rows))
 
   def _sync_bw(self, src, dst):
     same_fabric = src.platform == "tpu" or self.cluster.counts[src.name] <= src.chips_per_host
@@ -256,8 +273,9 @@ class Problem:
     trainable = list(itertools.islice(largest, 1))
     if not trainable:
       k, n = max(self.cluster.counts.items(), key=lambda kv: kv[1] * self.devs[kv[0]].hbm_gb)
-      need = cm.train_memory(self.m, cm.TrainLayout(1, n, 1), self.seq_len) / gb
-      if need <= cm.MEMORY_HEADROOM * self.devs[k].hbm_gb:
+      layout = cm.TrainLayout(1, n, 1, "full")
+      need = cm.train_memory(self.m, layout, self.seq_len) * (1 + cm.TRAIN_MEMORY_MARGIN) / gb
+      if cm.train_fits(self.m, self.devs[k], layout, self.seq_len):
         raise PlanError(
             f"no training pool of {k} that the runtime can run: data x fsdp must divide the step's "
             f"{self.w.sequences} sequences (workload.batch_size x group_size), tensor the model's heads, KV heads, "
@@ -265,7 +283,8 @@ class Problem:
             f"workload.batch_size or the chip counts")
       raise PlanError(
           f"model '{self.name}' fits no device for training: sharded over all {n} {k} it still needs "
-          f"{need:.1f} GB per chip of {cm.MEMORY_HEADROOM * self.devs[k].hbm_gb:.1f} GB usable; add chips or "
+          f"{need:.1f} GB per chip (with the memory model's margin) of {cm.MEMORY_HEADROOM * self.devs[k].hbm_gb:.1f} "
+          f"GB usable; add chips or "
           f"larger-memory devices, lower workload.output_len.max, or use a smaller model")
     smallest = min((r.tensor * self.devs[k].price_per_hour, r.tensor, k) for k, rs in self.replicas.items() for r in rs)
     raise PlanError(
@@ -283,7 +302,8 @@ def predict_written(model_cfg, cluster: Cluster, plan_data: dict, name="model") 
   pools = plan_data["pools"]
   t, r = pools["train"], pools["rollout"]
   axes = t["mesh"]
-  layout = cm.TrainLayout(axes.get("data", 1), axes.get("fsdp", 1), axes.get("tensor", 1))
+  remat = plan_data.get("plan", {}).get("train", {}).get("remat", "none")
+  layout = cm.TrainLayout(axes.get("data", 1), axes.get("fsdp", 1), axes.get("tensor", 1), remat)
   train = prob.train_choice(t["device_type"], layout.devices, [layout])
   if train is None:
     raise PlanError(f"the plan's train pool ({layout.devices} x {t['device_type']}, mesh {axes}) does not fit the "

@@ -86,7 +86,8 @@ def predict(rec, dev):
   """(measured seconds, predicted TimeParts) of the record's step on catalog device `dev`."""
   m, mesh = _model(rec["model"]), rec["mesh"]
   if rec["pool"] == "train":
-    layout = cm.TrainLayout(mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("tensor", 1))
+    remat = rec["model"].get("remat", "none") if isinstance(rec["model"], dict) else "none"
+    layout = cm.TrainLayout(mesh.get("data", 1), mesh.get("fsdp", 1), mesh.get("tensor", 1), remat)
     if layout.devices != rec["devices"]:
       raise PlanError(f"train record on {rec['devices']} devices has mesh {mesh} of {layout.devices}")
     return (rec["tokens_per_step"] / rec["tokens_per_s"],

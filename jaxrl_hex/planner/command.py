@@ -107,6 +107,7 @@ def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, altern
           "train_flop_share": round(p.train_flop_share, 4)
       },
       "idle": dict(p.idle),
+      "train": t.knobs(cluster.catalog[t.device_type]),
       "workload": dataclasses.asdict(w),
       "sim": {
           "train_fixed_s": t.fixed_s + t.send_s,

@@ -11,8 +11,27 @@ from jaxrl_hex.planner import PlanError
 
 # Fraction of HBM the planner fills: the rest is XLA scratch, fragmentation and runtime buffers.
 MEMORY_HEADROOM = 0.9
-# Adam keeps two moments in float32 next to params and grads (in param dtype).
-ADAM_MOMENT_BYTES = 8
+# The train step's memory beyond its state, per device, fitted to XLA's compiled figures for the
+# real step (benchmarks/compile_sizes.py --part fit: Qwen2 1.5B, 7B and 14B and a 70B Llama on 8
+# to 32 devices, 2k-16k tokens, tensor 1-4, each remat policy; 26 points, each within 7%): bytes
+# per element of the output head as a device holds it (vocab x d_model / tensor: the head
+# gathered over fsdp, its gradient summed over the logprob chunks, and their fp32 copies), per
+# sharded parameter (the optimizer update's temporaries), and per token and layer, for what the
+# backward pass keeps of each layer under each model.remat policy: bytes per unit of d_model (the
+# residual stream, whole on every tensor device) and per unit of mlp_dim / tensor (the MLP's
+# activations, split). XLA:CPU is the compiler here (it upcasts bf16 matmuls to fp32), so the
+# figures are a proxy for TPU and GPU, on the safe side.
+HEAD_BYTES = 15.0
+OPT_TEMP_BYTES = 3.1
+SAVED_BYTES = {"none": (32.6, 26.4), "dots": (9.6, 10.2), "full": (5.7, 0.0)}
+# The fit's largest under-estimate (-7%): a layout fits when its estimate times 1 + this margin
+# fits, so no fitted point the planner would pass overflows.
+TRAIN_MEMORY_MARGIN = 0.08
+# Extra forward FLOPs per parameter and token each policy recomputes in the backward pass
+# ("dots" recomputes only elementwise work and attention, which attn_flops counts).
+RECOMPUTE_FLOPS = {"none": 0.0, "dots": 0.0, "full": 2.0}
+RECOMPUTES_ATTENTION = {"none": 0, "dots": 1, "full": 1}
+REMATS = ("none", "dots", "full")  # least recompute first
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 OUTPUT_DISTS = ("fixed", "lognormal", "uniform")
 
@@ -129,6 +148,7 @@ class TrainLayout:
   data: int
   fsdp: int
   tensor: int
+  remat: str = "none"  # the model.remat policy the step runs with
 
   @property
   def devices(self) -> int:
@@ -138,24 +158,33 @@ class TrainLayout:
     return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
 
 
-def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int) -> float:
-  """Peak bytes per chip: sharded params+grads+Adam, plus one sequence's activations (remat)."""
-  state = m.params * (2 * m.weight_bytes / m.params + ADAM_MOMENT_BYTES) / (layout.fsdp * layout.tensor)
-  # Rematerialised layers keep one residual per layer per token, plus one layer's working
-  # set and float32 logits (vocab sharded over tensor) for the micro-batch of one sequence.
-  per_token = (m.n_layers * m.d_model + 4 * m.d_model + 3 * m.mlp_dim / layout.tensor) * m.act_bytes
-  per_token += 4 * m.vocab / layout.tensor
-  return state + seq_len * per_token
+def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int, rows: int = 1) -> float:
+  """Peak bytes per chip of a train step whose micro-batch puts `rows` rows of `seq_len` tokens on
+  each batch shard: params, gradients and Adam's two moments (all in param dtype, as optax keeps
+  them) sharded over fsdp x tensor, plus the fitted terms above."""
+  shards, t = layout.fsdp * layout.tensor, layout.tensor
+  state = 4 * m.weight_bytes / shards
+  head = HEAD_BYTES * m.vocab * m.d_model / t
+  per_d, per_mlp = SAVED_BYTES[layout.remat]
+  saved = (per_d * m.d_model + per_mlp * m.mlp_dim / t) * m.n_layers * rows * seq_len
+  return state + head + OPT_TEMP_BYTES * m.params / shards + saved
+
+
+def train_fits(m: ModelCost, dev, layout: TrainLayout, seq_len: int, rows: int = 1) -> bool:
+  """Whether the step fits the chip's usable memory (MEMORY_HEADROOM) with the fit's margin."""
+  return train_memory(m, layout, seq_len, rows) * (1 + TRAIN_MEMORY_MARGIN) <= MEMORY_HEADROOM * dev.hbm_bytes
 
 
 def train_time(m: ModelCost, dev, layout: TrainLayout, tokens: float, seq_len: int) -> TimeParts:
   """One trainer step over `tokens` tokens in sequences of `seq_len`.
 
   FLOPs per token: 6N for forward+backward plus 2N for the proximal-logprob forward pass the
-  decoupled PPO loss needs, plus causal attention for each of those passes.
+  decoupled PPO loss needs, plus causal attention for each of those passes, plus what the remat
+  policy recomputes.
   """
   n = layout.devices
-  flops = tokens * 8.0 * m.params + 4 * m.attn_flops(tokens, seq_len / 2)
+  flops = tokens * (8.0 + RECOMPUTE_FLOPS[layout.remat]) * m.params
+  flops += (4 + RECOMPUTES_ATTENTION[layout.remat]) * m.attn_flops(tokens, seq_len / 2)
   roofline = flops / (n * dev.flops)
   t, f, d = layout.tensor, layout.fsdp, layout.data
   shard = m.weight_bytes / t
@@ -179,17 +208,27 @@ def tensor_shards(m: ModelCost, t: int) -> bool:
 def train_layouts(m: ModelCost, dev, n: int, seq_len: int, sequences: int | None = None):
   """Layouts of n chips that fit in memory and that the runtime accepts (meshes.DEFAULT_RULES:
   fsdp splits d_model; tensor splits heads, KV heads, MLP and vocab, inside one host; the batch
-  splits over data x fsdp, which must divide `sequences`, a step's batch, when given)."""
-  usable = MEMORY_HEADROOM * dev.hbm_bytes
+  splits over data x fsdp, which must divide `sequences`, a step's batch, when given), each mesh
+  with the least recomputing remat policy that fits it."""
   for t in _divisors(n):
     if t > dev.chips_per_host or not tensor_shards(m, t):
       continue
     for f in _divisors(n // t):
       if m.d_model % f or (sequences is not None and sequences % (n // t)):
         continue
-      layout = TrainLayout(n // (t * f), f, t)
-      if train_memory(m, layout, seq_len) <= usable:
+      fitting = (TrainLayout(n // (t * f), f, t, remat) for remat in REMATS)
+      layout = next((x for x in fitting if train_fits(m, dev, x, seq_len)), None)
+      if layout is not None:
         yield layout
+
+
+def micro_batch_rows(m: ModelCost, dev, layout: TrainLayout, seq_len: int, per_shard: int) -> int:
+  """Rows of seq_len tokens per batch shard in one micro-batch: the most, up to a step's
+  `per_shard` sequences, in powers of two, whose step fits (1 when only one does)."""
+  rows = 1
+  while rows * 2 <= per_shard and train_fits(m, dev, layout, seq_len, rows * 2):
+    rows *= 2
+  return rows
 
 
 def _divisors(n):

@@ -16,6 +16,7 @@ import optax
 
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.models.policy import Policy
+from jaxrl_hex.models.sharding import activation_sharding
 from jaxrl_hex.rl import packing
 from jaxrl_hex.rl.batch import TrainBatch
 from jaxrl_hex.rl.layout import Rows
@@ -64,9 +65,10 @@ class Trainer:
     self.version = 0
     state_shardings = (self.param_shardings, opt_shardings, critic_shardings, critic_opt_shardings)
     models = (policy, self.critic)
-    self._start = start_program(objective, models)
-    self._update = update_program(objective, models, self.tx, self.critic_tx, state_shardings)
-    self._gradients = jax.jit(functools.partial(_accumulate, objective, models), static_argnames=("num_seqs",))
+    self._start = start_program(pool, objective, models)
+    self._update = update_program(pool, objective, models, self.tx, self.critic_tx, state_shardings)
+    self._gradients = jax.jit(_on(pool, functools.partial(_accumulate, objective, models)),
+                              static_argnames=("num_seqs",))
 
   def plan(self, batch: TrainBatch) -> packing.Layout:
     n = batch.tokens.shape[0]
@@ -150,18 +152,28 @@ def step_inputs(pool, layout: packing.Layout, batch: TrainBatch, place=jax.devic
   return rows, per_seq, put(layout.slot, ("batch", "length")), put(layout.minibatch_of, ("batch",))
 
 
-def start_program(objective, models):
+def _on(pool, fn):
+  """fn traced with the pool's activation shardings (models.sharding)."""
+
+  def run(*args, **kwargs):
+    with activation_sharding(pool.activation_sharding):
+      return fn(*args, **kwargs)
+
+  return run
+
+
+def start_program(pool, objective, models):
   """The jitted start pass: StartInputs -> (TokenData, metrics); models = (policy, critic or None)."""
-  return jax.jit(functools.partial(objective.start, *models))
+  return jax.jit(_on(pool, functools.partial(objective.start, *models)))
 
 
-def update_program(objective, models, tx, critic_tx, state_shardings):
+def update_program(pool, objective, models, tx, critic_tx, state_shardings):
   """The jitted optimizer update of one minibatch: (params, opt_state, critic_params,
   critic_opt_state, rows, data, m, version; num_seqs) -> (the four updated, metrics). The state
   is donated and its output shardings pinned to `state_shardings` (the four states' shardings),
   since XLA may otherwise pick new layouts for it. Built from shardings alone, so a footprint
   can compile it without params (jaxrl_hex.footprint)."""
-  return jax.jit(functools.partial(_update, objective, models, tx, critic_tx), donate_argnums=(0, 1, 2, 3),
+  return jax.jit(_on(pool, functools.partial(_update, objective, models, tx, critic_tx)), donate_argnums=(0, 1, 2, 3),
                  static_argnames=("num_seqs",), out_shardings=(*state_shardings, None))
 
 

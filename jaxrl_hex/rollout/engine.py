@@ -13,6 +13,17 @@ step boundary, the KV of every in-flight sequence is recomputed with the new wei
 decoding goes on; with interrupt="finish" no slot is refilled until the in-flight sequences
 finish on the old weights. Every token records the version whose logits it was sampled from.
 
+The KV cache is a ring of max-length rows, one per slot, or with kv_page_size > 0 a pool of
+fixed-size blocks (rollout/slots.py). Paged, the host hands blocks out between decode calls:
+before each call every live slot gets the blocks its next steps_per_sync tokens need, a waiting
+request is admitted only when its prompt plus its first call fit in free blocks (a group's full
+prompt blocks are shared by its samples), and when the pool runs dry the youngest sequences are
+preempted: their blocks freed, their tokens kept, their KV rebuilt by a prefill when they are
+readmitted, ahead of new requests. The same prefill rebuilds the KV of every live sequence on an
+interrupt="recompute" weight switch. Slots then bound the sequences in flight and blocks bound
+their tokens, so a long-tailed workload runs many more sequences in the memory of a few
+max-length rows.
+
 `generate` (prompts x group_size -> Rollout, the trainer's layout) runs on submit/poll.
 """
 import collections
@@ -26,11 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_hex.config import check_paged_kv
 from jaxrl_hex.data.rollouts import Rollout, decode_completions, encode_prompts
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import local_device, to_host
 from jaxrl_hex.models.decoder import cache_shapes
 from jaxrl_hex.rollout import slots as S
+from jaxrl_hex.rollout.pages import BlockPool
 
 INTERRUPT_MODES = ("recompute", "finish")
 
@@ -75,6 +88,14 @@ class _Seq:  # a slot's sequence in flight
   logprobs: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
   checked: int = 0  # tokens already searched for stop strings
+  shard: int = 0  # paged: the data shard of its slot, whose blocks it holds
+  blocks: list = dataclasses.field(default_factory=list)  # paged: its blocks, in position order
+  admitted: int = 0  # admission order: the youngest are preempted first
+
+  @property
+  def row(self) -> list:
+    """The tokens of the sequence: all but the last are cached, the last is fed next."""
+    return self.prompt_tokens + self.tokens
 
 
 class Batch(typing.NamedTuple):
@@ -108,7 +129,8 @@ def engine_options(rollout_cfg) -> dict:
   r = rollout_cfg
   return dict(min_p=r.min_p, slots=r.slots or r.prompts_per_step * r.group_size, max_prompt_len=r.max_prompt_len,
               eos_ids=tuple(r.eos_ids) or None, stop=tuple(r.stop), interrupt=r.interrupt,
-              steps_per_sync=r.steps_per_sync, memory_budget_gb=r.memory_budget_gb)
+              steps_per_sync=r.steps_per_sync, memory_budget_gb=r.memory_budget_gb, kv_page_size=r.kv_page_size,
+              kv_blocks=r.kv_blocks)
 
 
 class Engine:
@@ -116,7 +138,7 @@ class Engine:
 
   def __init__(self, policy, pool, tokenizer, max_new_tokens: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *,
                slots=256, max_prompt_len=64, eos_ids=None, stop=(), interrupt="recompute", steps_per_sync=16,
-               memory_budget_gb=0.0, weights_source=None, cache_dtype=None):
+               memory_budget_gb=0.0, kv_page_size=0, kv_blocks=0, weights_source=None, cache_dtype=None):
     self.policy, self.pool, self.tokenizer = policy, pool, tokenizer
     self.max_new_tokens, self.max_prompt_len = int(max_new_tokens), int(max_prompt_len)
     self.sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p))
@@ -132,15 +154,19 @@ class Engine:
                       f"({pool.batch_ways} ways)")
     # a sequence spans at most max_prompt_len - 1 cached prompt tokens + max_new_tokens ring columns
     self.length = self.max_prompt_len + self.max_new_tokens
+    self.layout = self._layout(int(kv_page_size), int(kv_blocks), pool.batch_ways)
+    self.paged = bool(self.layout.page)
+    self.blocks = BlockPool(self.layout.blocks, self.layout.shards) if self.paged else None
     self.cache_dtype = jnp.dtype(cache_dtype or policy.cfg.dtype)
     self.param_shardings = pool.shardings_for(policy.logical_axes(), policy.shapes())
-    self._state_shardings = S.state_shardings(pool, policy.cfg, self.num_slots, self.length)
+    self._state_shardings = S.state_shardings(pool, policy.cfg, self.layout)
     self.memory = self._memory_plan(float(memory_budget_gb))
     self.version, self.params = -1, None
     self.compile_count, self.compile_seconds = 0, 0.0
     self.decode_steps = 0  # decode steps run (each over all slots)
     self.decode_seconds = 0.0  # wall time of those steps' programs, their outputs on the host (no prefill)
     self.tokens_generated = 0
+    self.preemptions = 0  # paged: sequences whose blocks were taken back mid-generation
     self.rng = jax.random.key(0)  # keys of requests submitted without one
     self._submitted = 0
     self._fns = {}
@@ -152,8 +178,26 @@ class Engine:
     self._live = np.zeros(self.num_slots, bool)
     self._finished = []
     self._state = None
-    self._t = 0  # the ring column the next decode step writes (state.t)
+    self._t = 0  # the ring column the next decode step writes (state.kv.t)
+    self._admissions = 0
+    if self.paged:  # the block tables, host-owned: out-of-range ids mark blocks not held
+      self._table = np.full((self.num_slots, self.layout.table_width), self.layout.blocks, np.int32)
     self.greedy = False  # sample at temperature 0 (argmax)
+
+  def _layout(self, page: int, blocks: int, shards: int) -> S.Layout:
+    """The cache layout of the kv_page_size and kv_blocks knobs; refuses knobs that cannot work."""
+    check_paged_kv(page, blocks)
+    if not page:
+      return S.Layout(self.num_slots, self.length)
+    per_seq = -(-self.length // page)
+    blocks = blocks or self.num_slots * per_seq
+    if blocks % shards or blocks // shards < per_seq:
+      raise UserError(
+          f"rollout.kv_blocks={blocks} must be a multiple of pool '{self.pool.name}' batch axes ({shards} ways) "
+          f"and give each of them at least one longest sequence: rollout.max_prompt_len + rollout.max_new_tokens = "
+          f"{self.length} tokens = {per_seq} blocks of rollout.kv_page_size={page}; use kv_blocks >= "
+          f"{shards * per_seq}, a multiple of {shards}")
+    return S.Layout(self.num_slots, self.length, page, blocks, shards)
 
   def _memory_plan(self, budget_gb: float) -> dict:
     """Per-device bytes of the KV cache and the weights; refuses a cache that does not fit."""
@@ -161,24 +205,26 @@ class Engine:
     shard_bytes = lambda sharding, shape, dtype: int(np.prod(sharding.shard_shape(shape))) * jnp.dtype(dtype).itemsize
     cache = sum(
         shard_bytes(sharding, shape, self.cache_dtype)
-        for entry, shapes in zip(self._state_shardings.cache, cache_shapes(cfg, self.num_slots, self.length))
+        for entry, shapes in zip(self._state_shardings.cache, cache_shapes(cfg, *self.layout.cache_rows))
         for sharding, shape in zip(entry, shapes))
     params = sum(
         shard_bytes(sh, x.shape, x.dtype)
         for sh, x in zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
     budget = int(budget_gb * 2**30) or int((local_device(self.pool).memory_stats() or {}).get("bytes_limit", 0))
     plan = {
-        "kv_cache_bytes": S.cache_bytes(cfg, self.num_slots, self.length, self.cache_dtype),
+        "kv_cache_bytes": S.cache_bytes(cfg, *self.layout.cache_rows, self.cache_dtype),
         "kv_cache_bytes_per_device": cache,
         "params_bytes_per_device": params,
         "budget_bytes_per_device": budget
     }
     if budget and cache + params > budget:
       gib = lambda b: f"{b / 2 ** 30:.2f} GiB"
-      raise UserError(
-          f"rollout: the KV cache for {self.num_slots} slots x {self.length} tokens needs {gib(cache)} per device "
-          f"(+ {gib(params)} of weights) but the budget is {gib(budget)} (rollout.memory_budget_gb); lower "
-          "rollout.slots, rollout.max_prompt_len or rollout.max_new_tokens, or shard the rollout pool wider")
+      what, knobs = ((f"KV pool of {self.layout.blocks} blocks x {self.layout.page} tokens",
+                      "rollout.kv_blocks") if self.paged else
+                     (f"KV cache for {self.num_slots} slots x {self.length} tokens",
+                      "rollout.slots, rollout.max_prompt_len or rollout.max_new_tokens"))
+      raise UserError(f"rollout: the {what} needs {gib(cache)} per device (+ {gib(params)} of weights) but the budget "
+                      f"is {gib(budget)} (rollout.memory_budget_gb); lower {knobs}, or shard the rollout pool wider")
     return plan
 
   # ---- weights ------------------------------------------------------------------------------
@@ -193,7 +239,9 @@ class Engine:
     version, params = self._incoming
     self._incoming = None
     self.version, self.params = version, params
-    if self._live.any():  # interrupt="recompute": in-flight KV from the new weights
+    if self._live.any() and self.paged:  # interrupt="recompute": in-flight KV from the new weights
+      self._prefill([[self._seqs[slot]] for slot in np.flatnonzero(self._live)])
+    elif self._live.any():
       self._state = self._run(("recompute",), functools.partial(S.recompute, self.policy), self.params, self._state)
 
   def _switch_weights(self):
@@ -222,11 +270,11 @@ class Engine:
       key = r.key if r.key is not None else jax.random.fold_in(self.rng, self._submitted)
       self._submitted += 1
       keys = np.asarray(jax.random.key_data(_sample_keys(key, r.n)))  # [n, K]
-      self._queue.append((r, ids, max(budget, 1), keys))
+      self._queue.append([_Seq(r, j, ids, max(budget, 1), keys[j]) for j in range(r.n)])
 
   @property
   def queued(self) -> int:
-    """Requests waiting for slots."""
+    """Requests (or preempted sequences) waiting for slots."""
     return len(self._queue)
 
   @property
@@ -236,7 +284,8 @@ class Engine:
   @property
   def pending(self) -> int:
     """Requests queued or in flight."""
-    return len(self._queue) + len({id(s.request) for s in self._seqs if s is not None})
+    waiting = {id(s.request) for entry in self._queue for s in entry}
+    return len(waiting | {id(s.request) for s in self._seqs if s is not None})
 
   def poll(self) -> list:
     """Advances by one hand-back (at most steps_per_sync decode steps); returns the samples finished."""
@@ -247,6 +296,8 @@ class Engine:
       if self.params is None:
         raise RuntimeError("engine: no weights loaded; call load_weights(version, params) first")
       draining = self.interrupt == "finish" and self._incoming is not None
+      if self.paged:
+        self._reserve()
       if not draining:
         self._admit()
       if self._live.any():
@@ -258,42 +309,153 @@ class Engine:
     return done
 
   def _admit(self):
+    """Takes queued entries (a request's samples, or a preempted sequence) into free slots, FIFO,
+    and prefills them in one call."""
     free = [i for i in range(self.num_slots) if self._seqs[i] is None]
-    taken = []
-    while self._queue and len(free) >= self._queue[0][0].n:
-      request, ids, budget, keys = self._queue.popleft()
-      for j in range(request.n):
-        slot = free.pop(0)
-        self._seqs[slot] = _Seq(request, j, ids, budget, keys[j])
-        taken.append(slot)
-    if not taken:
-      return
-    prompts = []  # one row per request, in admission order
-    for slot in taken:
-      if self._seqs[slot].index == 0:
-        prompts.append(self._seqs[slot].prompt_tokens)
-    n_b = pow2_bucket(len(prompts))
-    p_b = min(pow2_bucket(max(map(len, prompts)), 16), pow2_bucket(self.max_prompt_len, 16))
+    entries = []
+    while self._queue:
+      head = self._queue[0]
+      slots = self._place_paged(head, free, idle=not entries and not self._live.any()) if self.paged else (
+          free[:len(head)] if len(free) >= len(head) else None)
+      if not slots:
+        break
+      if len(slots) == len(head):
+        entry = self._queue.popleft()
+      else:  # an idle paged engine splits a group its blocks cannot hold at once
+        entry, head[:] = head[:len(slots)], head[len(slots):]
+      for seq, slot in zip(entry, slots):
+        free.remove(slot)
+        self._seqs[slot] = seq
+        seq.admitted, self._admissions = self._admissions, self._admissions + 1
+      entries.append(entry)
+    if entries:
+      self._prefill(entries)
+
+  def _slot_shard(self, slot: int) -> int:
+    return slot // (self.num_slots // self.layout.shards)
+
+  def _blocks_needed(self, seq) -> int:
+    """Blocks a sequence holds through its next decode call: positions up to those it writes."""
+    pos = len(seq.row) - 1
+    upto = min(pos + self.steps_per_sync, len(seq.prompt_tokens) + seq.max_tokens - 1)
+    return -(-upto // self.layout.page)
+
+  def _place_paged(self, entry, free, idle: bool):
+    """Slots and blocks for the samples of an entry -> their slots (blocks now held), or None
+    when they do not all fit; an idle engine places as many as fit. Full blocks of the cached
+    row are shared by the samples on one shard; each sample holds its own beyond them."""
+    shared = (len(entry[0].row) - 1) // self.layout.page
+    private = self._blocks_needed(entry[0]) - shared
+    by_shard = collections.defaultdict(list)
+    for slot in free:
+      by_shard[self._slot_shard(slot)].append(slot)
+    # blocks kept back for the next call's growth of the sequences in flight, so an admission does
+    # not preempt them at the next hand-back (a preemption recomputes a whole sequence)
+    growth = -(-self.steps_per_sync // self.layout.page)
+    held = lambda d: sum(seq is not None and self._slot_shard(s) == d for s, seq in enumerate(self._seqs))
+    room = lambda d: self.blocks.free(d) - growth * held(d)
+    placed = []  # (shard, its slots)
+    left = len(entry)
+    for d in sorted(by_shard, key=lambda d: (-room(d), d)):
+      k = min(left, len(by_shard[d]), max(0, (room(d) - shared) // private))
+      if k:
+        placed.append((d, by_shard[d][:k]))
+        left -= k
+      if not left:
+        break
+    if left and not (idle and placed):
+      return None
+    slots, seqs = [], iter(entry)
+    for d, taken in placed:
+      common = self.blocks.take(d, shared)
+      for i, slot in enumerate(taken):
+        seq = next(seqs)
+        if i:
+          self.blocks.share(d, common)
+        seq.shard, seq.blocks = d, common + self.blocks.take(d, private)
+        self._table[slot, :len(seq.blocks)] = seq.blocks
+        slots.append(slot)
+    return slots
+
+  def _reserve(self):
+    """Before a decode call: every live slot's blocks for the positions the call may write; where
+    a shard runs dry its youngest sequences are preempted (requeued first, KV rebuilt later)."""
+    for d in range(self.layout.shards):
+      live = sorted((s for s in np.flatnonzero(self._live) if self._slot_shard(s) == d),
+                    key=lambda s: self._seqs[s].admitted)
+      need = {s: max(0, self._blocks_needed(self._seqs[s]) - len(self._seqs[s].blocks)) for s in live}
+      while sum(need.values()) > self.blocks.free(d):
+        victim = live.pop()
+        del need[victim]
+        self._preempt(victim)
+      for slot in live:
+        seq = self._seqs[slot]
+        seq.blocks += self.blocks.take(d, need[slot])
+        self._table[slot, :len(seq.blocks)] = seq.blocks
+
+  def _preempt(self, slot: int):
+    seq = self._release(slot)
+    self._queue.appendleft([seq])
+    self.preemptions += 1
+
+  def _release(self, slot: int):
+    """Frees a slot (and a paged slot's blocks) -> its sequence."""
+    seq = self._seqs[slot]
+    self._seqs[slot] = None
+    self._live[slot] = False
+    if self.paged:
+      self.blocks.release(seq.shard, seq.blocks)
+      seq.blocks = []
+      self._table[slot] = self.layout.blocks
+    return seq
+
+  def _row_bucket(self, n: int) -> int:
+    """Prefill width of rows of up to n tokens: prompts, or a paged sequence's whole row."""
+    return min(pow2_bucket(n, 16), pow2_bucket(self.length if self.paged else self.max_prompt_len, 16))
+
+  def _prefill(self, entries):
+    """One prefill call: each entry's row (shared by its samples) cached into their slots."""
+    rows = [entry[0].row for entry in entries]
+    n_b, p_b = pow2_bucket(len(rows)), self._row_bucket(max(map(len, rows)))
     tokens = np.full((n_b, p_b), self.tokenizer.pad_id, np.int32)
     lengths = np.ones(n_b, np.int32)
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(rows):
       tokens[i, :len(ids)], lengths[i] = ids, len(ids)
-    m_b = pow2_bucket(len(taken))
+    assigned = [(r, seq) for r, entry in enumerate(entries) for seq in entry]
+    m_b = pow2_bucket(len(assigned))
     slot_ids = np.full(m_b, self.num_slots, np.int32)  # padding -> dropped
-    src, max_new = np.zeros(m_b, np.int32), np.ones(m_b, np.int32)
-    keys = np.zeros((m_b, self._seqs[taken[0]].key.shape[0]), np.uint32)
-    row = -1
-    for a, slot in enumerate(taken):
-      seq = self._seqs[slot]
-      row += seq.index == 0
-      slot_ids[a], src[a], max_new[a], keys[a] = slot, row, seq.max_tokens, seq.key
+    src, max_new, count = np.zeros(m_b, np.int32), np.ones(m_b, np.int32), np.zeros(m_b, np.int32)
+    keys = np.zeros((m_b, S.key_words()), np.uint32)
+    slot_of = {id(seq): slot for slot, seq in enumerate(self._seqs) if seq is not None}
+    for a, (r, seq) in enumerate(assigned):
+      slot_ids[a], src[a], max_new[a], count[a], keys[a] = slot_of[id(seq)], r, seq.max_tokens, len(seq.tokens), seq.key
     if self._state is None:
       self._state = jax.jit(self._init_state, out_shardings=self._state_shardings)()
-    if not self._live.any():  # rewind the ring: prompts end at column max_prompt_len - 1, so decode
-      self._t = self.max_prompt_len - 1  # reads only the columns written so far until the ring wraps
+    if self.paged:
+      fill = self._writes(n_b, p_b, m_b, assigned, lengths)
+    else:
+      if not self._live.any():  # rewind the ring: prompts end at column max_prompt_len - 1, so decode
+        self._t = self.max_prompt_len - 1  # reads only the columns written so far until the ring wraps
+      fill = np.int32(self._t)
     self._state = self._run(("prefill", n_b, p_b, m_b), self._prefill_fn(), self.params, self._state, tokens, lengths,
-                            slot_ids, src, max_new, keys, np.int32(self._t))
-    self._live[taken] = True
+                            slot_ids, src, max_new, keys, count, fill)
+    self._live[slot_ids[:len(assigned)]] = True
+
+  def _writes(self, n_b, p_b, m_b, assigned, lengths) -> S.Writes:
+    """The block copies of a paged prefill: each held block of the cached rows once (a block
+    shared by samples is written by the first), per shard, padded to a size fixed by the buckets."""
+    width = n_b * -(-p_b // self.layout.page) + m_b
+    dest = np.full((self.layout.shards, width), self.blocks.per_shard, np.int32)
+    src, blk = np.zeros_like(dest), np.zeros_like(dest)
+    used, seen = [0] * self.layout.shards, set()
+    for r, seq in assigned:
+      for j in range(-(-(int(lengths[r]) - 1) // self.layout.page)):
+        d, b = seq.shard, seq.blocks[j]
+        if (d, b) not in seen:
+          seen.add((d, b))
+          dest[d, used[d]], src[d, used[d]], blk[d, used[d]] = b, r, j
+          used[d] += 1
+    return S.Writes(dest, src, blk)
 
   def _prefill_fn(self):
     return functools.partial(S.prefill, self.policy)
@@ -304,10 +466,16 @@ class Engine:
                              logits_sharding=self.pool.sharding(("batch", None)))
 
   def _init_state(self):
-    return S.init_state(self.policy.cfg, self.num_slots, self.length, self.cache_dtype)
+    return S.init_state(self.policy.cfg, self.layout, self.cache_dtype)
 
   def _decode(self, stop_on_finish: bool):
-    span = self._span(self._t + self.steps_per_sync)
+    if self.paged:
+      reach = max(self._blocks_needed(self._seqs[s]) for s in np.flatnonzero(self._live)) * self.layout.page
+      span = self._span(reach)
+      table = jax.device_put(self._table, self._state_shardings.kv.table)
+      self._state = dataclasses.replace(self._state, kv=dataclasses.replace(self._state.kv, table=table))
+    else:
+      span = self._span(self._t + self.steps_per_sync)
     fn = self._compile(("decode", self.greedy, span), self._decode_fn(span), self.params, self._state, self._live,
                        np.bool_(stop_on_finish), host_outputs=True)
     t0 = time.perf_counter()
@@ -333,11 +501,18 @@ class Engine:
         self._finish(slot, reason)
 
   def _span(self, end: int) -> int:
-    """Ring columns a decode call attends to when its last step writes column end - 1: a quarter
-    of the ring at a time (few compiles), the whole ring once it has wrapped. Attention reads the
-    cache it spans, so a fresh batch's first steps cost what its short sequences need."""
-    quarter = -(-self.length // 4)
-    return self.length if end > self.length else min(self.length, -(-end // quarter) * quarter)
+    """Columns a decode call attends to when its last step writes column end - 1: a quarter of
+    the width at a time (few compiles); a ring's whole width once it has wrapped; a paged slot's
+    columns are its positions, in whole blocks. Attention reads the cache it spans, so a fresh
+    batch's first steps cost what its short sequences need."""
+    unit, width = self.layout.page or 1, self._width
+    quarter = -(-width // (4 * unit)) * unit
+    return width if end > width else min(width, -(-end // quarter) * quarter)
+
+  @property
+  def _width(self) -> int:
+    """Cache columns a slot can attend to: the ring, or its table's blocks."""
+    return self.layout.table_width * self.layout.page if self.paged else self.length
 
   def _stop_index(self, seq):
     """Token count through the token that completes a stop string (strings may span tokens).
@@ -353,9 +528,7 @@ class Engine:
     return None
 
   def _finish(self, slot, reason):
-    seq = self._seqs[slot]
-    self._seqs[slot] = None
-    self._live[slot] = False
+    seq = self._release(slot)
     tokens = np.asarray(seq.tokens, np.int32)
     self._finished.append(
         Sample(seq.request.id, seq.index, seq.prompt_tokens, tokens, np.asarray(seq.logprobs, np.float32),
@@ -415,42 +588,63 @@ class Engine:
   def warmup(self, prompt_lengths, group_size: int) -> float:
     """Compiles now, before any weights arrive, every program a stream of group_size-sample
     requests with prompts of these token lengths runs: each prefill bucket of up to
-    num_slots // group_size prompts at a time, each decode span, the recompute. A replica that
-    compiled mid-run would stall its share of the fleet for seconds. -> seconds spent."""
+    num_slots // group_size prompts at a time, each decode span, the ring's recompute. A replica
+    that compiled mid-run would stall its share of the fleet for seconds. A paged engine's
+    prefills of whole sequences (preempted ones readmitted, a weight switch) have too many
+    buckets to compile ahead; they compile when first run. -> seconds spent."""
     t0 = time.perf_counter()
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.policy.shapes(),
-                          self.param_shardings)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         jax.eval_shape(self._init_state), self._state_shardings)
+    params, state = self._abstract_state()
     i32 = lambda *shape: np.zeros(shape, np.int32)
-    cap = pow2_bucket(self.max_prompt_len, 16)
-    p_bs = sorted({min(pow2_bucket(n, 16), cap) for n in prompt_lengths if 1 <= n <= self.max_prompt_len})
-    n_words = S.key_words()
+    p_bs = sorted({self._row_bucket(n) for n in prompt_lengths if 1 <= n <= self.max_prompt_len})
     for n in range(1, max(1, self.num_slots // group_size) + 1):
       n_b, m_b = pow2_bucket(n), pow2_bucket(n * group_size)
       for p_b in p_bs:
+        fill = self._writes(n_b, p_b, m_b, [], None) if self.paged else np.int32(0)
         self._compile(("prefill", n_b, p_b, m_b), self._prefill_fn(), params, state, i32(n_b, p_b), i32(n_b), i32(m_b),
-                      i32(m_b), i32(m_b), np.zeros((m_b, n_words), np.uint32), np.int32(0))
-    first = self.max_prompt_len - 1 + self.steps_per_sync  # a call's last column, at the earliest (rewound ring)
-    spans = sorted({self._span(end) for end in range(first, self.length + 2)})
+                      i32(m_b), i32(m_b), np.zeros((m_b, S.key_words()), np.uint32), i32(m_b), fill)
+    if self.paged:
+      unit = self.layout.page
+      spans = sorted({self._span(end) for end in range(unit, self._width + 1, unit)})
+    else:
+      first = self.max_prompt_len - 1 + self.steps_per_sync  # a call's last column, at the earliest (rewound ring)
+      spans = sorted({self._span(end) for end in range(first, self.length + 2)})
     for span in spans:
-      self._compile(("decode", self.greedy, span), self._decode_fn(span), params, state, np.zeros(self.num_slots, bool),
-                    np.bool_(False), host_outputs=True)
-    if self.interrupt == "recompute":
+      self._compile(("decode", self.greedy, span), self._decode_fn(span), params, state, *self._decode_args(),
+                    host_outputs=True)
+    if self.interrupt == "recompute" and not self.paged:
       self._compile(("recompute",), functools.partial(S.recompute, self.policy), params, state)
     return time.perf_counter() - t0
 
-  def _compile(self, key, fn, params, state, *args, host_outputs=False):
+  def decode_program(self, span: int | None = None):
+    """The program a hand-back runs, attending to `span` cache columns (None: all of them), and
+    abstract inputs for it -> (jitted, args): jitted.lower(*args).compile() builds it without
+    weights or a cache (footprint.decode_step measures its memory)."""
+    params, state = self._abstract_state()
+    args = (params, state, *self._decode_args())
+    return self._jit(self._decode_fn(span or self._width), len(args), host_outputs=True), args
+
+  def _decode_args(self):
+    return np.zeros(self.num_slots, bool), np.bool_(False)
+
+  def _abstract_state(self):
+    """(params, state) as ShapeDtypeStructs carrying their shardings on the pool."""
+    place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    return (jax.tree.map(place, self.policy.shapes(), self.param_shardings),
+            jax.tree.map(place, jax.eval_shape(self._init_state), self._state_shardings))
+
+  def _jit(self, fn, n_args: int, host_outputs=False):
     """fn(params, state, *args) -> state, or (state, a record for the host, replicated) with
-    host_outputs: compiled once per key (timed and counted) for the pool, with the state donated
-    so the cache is updated in place. The arguments may be abstract (ShapeDtypeStruct)."""
+    host_outputs, jitted for the pool with the state donated, so the cache is updated in place."""
+    replicated = self.pool.replicated()
+    out = (self._state_shardings, replicated) if host_outputs else self._state_shardings
+    return jax.jit(fn, in_shardings=(self.param_shardings, self._state_shardings) + (replicated,) * (n_args - 2),
+                   out_shardings=out, donate_argnums=(1,))
+
+  def _compile(self, key, fn, params, state, *args, host_outputs=False):
+    """_jit(fn) compiled once per key (timed and counted). The arguments may be abstract."""
     if key not in self._fns:
       t0 = time.perf_counter()
-      replicated = self.pool.replicated()
-      out = (self._state_shardings, replicated) if host_outputs else self._state_shardings
-      jitted = jax.jit(fn, in_shardings=(self.param_shardings, self._state_shardings) + (replicated,) * len(args),
-                       out_shardings=out, donate_argnums=(1,))
-      self._fns[key] = jitted.lower(params, state, *args).compile()
+      self._fns[key] = self._jit(fn, 2 + len(args), host_outputs).lower(params, state, *args).compile()
       self.compile_count += 1
       self.compile_seconds += time.perf_counter() - t0
     return self._fns[key]

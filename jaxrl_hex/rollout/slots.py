@@ -1,21 +1,30 @@
-"""Decode slots on device: one ring-layout KV cache shared by S slots, and the jitted steps over it.
+"""Decode slots on device: S slots over one KV cache in one of two layouts, and the jitted steps over it.
 
-Layout. Each slot owns one row of a [S, T] cache (T = longest prompt + most new tokens). Decode
-step t writes every slot's new key/value at the same column t % T, so a single scalar
-cache_index serves all slots however long each one's sequence is. A refilled slot's prompt
-goes into the columns just before the current one (wrapping around), so a sequence spans at
-most T consecutive ring columns and never overwrites itself. Where a key sits does not matter
-to attention: RoPE is applied with the token's own position before caching, and valid [S, T]
-marks the columns of the slot's current sequence. Columns also keep their token and position,
-which is all a recompute with new weights needs.
+Ring (the contiguous cache). Each slot owns one row of a [S, T] cache (T = longest prompt + most
+new tokens). Decode step t writes every slot's new key/value at the same column t % T, so a
+single scalar cache_index serves all slots however long each one's sequence is. A refilled
+slot's prompt goes into the columns just before the current one (wrapping around), so a sequence
+spans at most T consecutive ring columns and never overwrites itself. Where a key sits does not
+matter to attention: RoPE is applied with the token's own position before caching, and valid
+[S, T] marks the columns of the slot's current sequence. Columns also keep their token and
+position, which is all a recompute with new weights needs. When no slot is live the engine
+rewinds the ring (the next prompts end at a fixed column), so until it wraps the live columns
+are a prefix: a decode call copies that prefix out, decodes on it, and writes it back, and
+attention, whose cost is the cache it reads, reads only it.
 
-Span. When no slot is live the engine rewinds the ring (the next prompts end at a fixed column),
-so until it wraps the live columns are a prefix: a decode call copies that prefix out, decodes
-on it, and writes it back, and attention, whose cost is the cache it reads, reads only it.
+Pages (the paged cache). The cache is a pool of B blocks of P tokens, laid out as a ring cache of
+B rows x P columns (the same arrays, axes and shardings: blocks split over the batch axes like
+slots, kv_heads over tensor). Slot s holds position p in block table[s, p // P] at column p % P;
+the table (host-owned, models.decoder.PagedIndex) names blocks of the slot's own data shard, so
+every gather and write stays on the devices that hold the slot. A decode call reads the blocks
+of positions [0, span) only. The host hands blocks out between calls (rollout.pages), shares a
+group's full prompt blocks between its samples and rebuilds a sequence's KV (after preemption
+or a weight switch) by prefilling its tokens again: the host holds every token, so the paged
+state keeps none.
 
 A slot feeds `pending` (first the last prompt token, then each sampled token) at position
-`pos`; its KV is not in the cache yet. So a prefill only has to cache prompt[:-1] and needs no
-logits, and the first decode step of a slot samples its first completion token.
+`pos`; its KV is not in the cache yet. So a prefill only has to cache the tokens before it and
+needs no logits, and the first decode step of a fresh slot samples its first completion token.
 """
 import dataclasses
 import typing
@@ -24,33 +33,153 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_hex.models.attention import Segments
-from jaxrl_hex.models.decoder import cache_axes, cache_shapes, init_cache, map_cache, rope_tables
+from jaxrl_hex.models.decoder import PagedIndex, cache_axes, cache_shapes, init_cache, map_cache, rope_tables
 from jaxrl_hex.rollout.sampling import sample
 
 
-def _axes(*axes):  # a DecodeState field's logical axes, which state_shardings maps onto the pool's mesh
+def _axes(*axes):  # a state field's logical axes, which state_shardings maps onto the pool's mesh
   return dataclasses.field(metadata={"axes": axes})
+
+
+def _field_axes(cls) -> dict:
+  return {f.name: f.metadata["axes"] for f in dataclasses.fields(cls) if "axes" in f.metadata}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """The contiguous layout's per-column record: S slots, each one row of a ring of T columns."""
+  valid: jax.Array = _axes("batch", "length")  # [S, T] bool: the column holds a token of the slot's sequence
+  col_tok: jax.Array = _axes("batch", "length")  # [S, T] int32: the column's token
+  col_pos: jax.Array = _axes("batch", "length")  # [S, T] int32: its position
+  t: jax.Array = _axes()  # [] int32: the ring column the next decode step writes (mod T)
+
+  @property
+  def width(self) -> int:
+    return self.valid.shape[1]
+
+  def step(self, pending, pos, live):
+    """-> (the ring after this step, mask [S, T], the cache_index, key positions [S, T])."""
+    del live  # a dead slot's column is outside every live sequence
+    col = self.t % self.width
+    valid, col_pos = self.valid.at[:, col].set(True), self.col_pos.at[:, col].set(pos)
+    # key_positions: ring columns are not positions (sliding-window layers need the real distance)
+    return Ring(valid, self.col_tok.at[:, col].set(pending), col_pos, self.t + 1), valid, col, col_pos
+
+  def fill(self, cache, kv, tokens, lengths, slot_src, t):
+    """Prompt rows' KV kv [n, .., Pb] into the ring columns before column t of the slots that
+    take them (slot_src [S]: the row, or -1). A gather over the prompt KV and a select, not a
+    scatter (XLA's scatter runs element by element on CPU)."""
+    n, p_len = tokens.shape
+    filled = slot_src >= 0
+    row = jnp.maximum(slot_src, 0)
+    cached_len = lengths[row] - 1
+    # ring column c of slot s holds prompt token k = c - (t - cached_len) (mod T)
+    k = (jnp.arange(self.width)[None] - (t - cached_len[:, None])) % self.width  # [S, T]
+    in_prompt = filled[:, None] & (k < cached_len[:, None])
+    k = jnp.minimum(k, p_len - 1)
+
+    def put(dest, values, axis=1, lead=0):  # values [.., n (lead), .., Pb (axis), ..] -> dest [.., S, .., T, ..]
+      # on the prompt columns; lead: the batch axis (1 in a stacked cache, after the layer axis)
+      rows = (slice(None),) * lead + (row[:, None], k)
+      picked = jnp.moveaxis(jnp.moveaxis(values, axis, lead + 1)[rows], lead + 1, axis)
+      where = in_prompt.reshape((1,) * lead + in_prompt.shape + (1,) * (dest.ndim - 2 - lead))
+      return jnp.where(jnp.moveaxis(where, lead + 1, axis), picked, dest)
+
+    positions = jnp.broadcast_to(jnp.arange(p_len), (n, p_len))
+    cache = map_cache(lambda dest, prompt, axes: put(dest, prompt, axes.index("length"), axes.index("batch")), cache,
+                      kv)
+    return cache, Ring(jnp.where(filled[:, None], in_prompt, self.valid), put(self.col_tok, tokens),
+                       put(self.col_pos, positions), t)
+
+  def narrow(self, state, span):
+    """The state on ring columns [0, span) (a copy)."""
+    cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, span, axis=axis)
+    ring = Ring(cut(self.valid, 1), cut(self.col_tok, 1), cut(self.col_pos, 1), self.t)
+    return dataclasses.replace(state, cache=map_cache(lambda x, axes: cut(x, axes.index("length")), state.cache),
+                               kv=ring)
+
+  def widen(self, state, full):
+    """state's (narrowed) ring columns written over full's first ones."""
+    put = lambda dest, x, axis: jax.lax.dynamic_update_slice_in_dim(dest, x, 0, axis)
+    f = full.kv
+    ring = Ring(put(f.valid, self.valid, 1), put(f.col_tok, self.col_tok, 1), put(f.col_pos, self.col_pos, 1), self.t)
+    return dataclasses.replace(
+        state, cache=map_cache(lambda dest, x, axes: put(dest, x, axes.index("length")), full.cache, state.cache),
+        kv=ring)
+
+
+class Writes(typing.NamedTuple):
+  """A paged prefill's block copies, per data shard [D, W]: block blk of prompt row src goes to
+  the shard's block dest (dest >= blocks per shard: padding, dropped)."""
+  dest: jax.Array
+  src: jax.Array
+  blk: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pages:
+  """The paged layout: a block table per slot over the cache's pool of blocks."""
+  table: jax.Array = _axes("batch", None)  # [S, M] int32: shard-local block of positions [j P, (j + 1) P)
+  page: int = dataclasses.field(default=16, metadata={"static": True})  # P: tokens per block
+  shards: int = dataclasses.field(default=1, metadata={"static": True})  # D: data shards of slots and blocks
+
+  @property
+  def width(self) -> int:
+    return self.table.shape[1] * self.page
+
+  def step(self, pending, pos, live):
+    del pending  # the host keeps the tokens
+    keys = jnp.arange(self.width)
+    mask = keys[None] <= pos[:, None]
+    return self, mask, PagedIndex(self.table, pos, live, self.shards), jnp.broadcast_to(keys, mask.shape)
+
+  def fill(self, cache, kv, tokens, lengths, slot_src, writes: Writes):
+    """Copies blocks of the prompt rows' KV kv [n, .., Pb] into the pool as `writes` says."""
+    del tokens, lengths, slot_src  # the writes name every block
+
+    def put(pool, prompt, axes):
+      b_ax, l_ax = axes.index("batch"), axes.index("length")
+      p_len = prompt.shape[l_ax]
+      blocks = -(-p_len // self.page)
+      pad = [(0, 0)] * prompt.ndim
+      pad[l_ax] = (0, blocks * self.page - p_len)
+      x = jnp.pad(prompt, pad)
+      x = x.reshape(x.shape[:l_ax] + (blocks, self.page) + x.shape[l_ax + 1:])  # [.., n, .., blocks, P, ..]
+      # the picked blocks [D, W, ..] in the pool's own layout (the batch axis now counts blocks)
+      picked = jnp.moveaxis(jnp.moveaxis(x, (b_ax, l_ax), (0, 1))[writes.src, writes.blk], (0, 1), (b_ax, b_ax + 1))
+      per_shard = _split(pool, b_ax, self.shards)
+      put_one = lambda p, d, u: p.at[(slice(None),) * b_ax + (d,)].set(u, mode="drop")
+      out = jax.vmap(put_one, in_axes=(b_ax, 0, b_ax), out_axes=b_ax)(per_shard, writes.dest, picked)
+      return out.reshape(pool.shape)
+
+    return map_cache(put, cache, kv), self
+
+  def narrow(self, state, span):
+    return dataclasses.replace(state, kv=dataclasses.replace(self, table=self.table[:, :span // self.page]))
+
+  def widen(self, state, full):
+    return dataclasses.replace(state, kv=full.kv)
+
+
+def _split(x, axis, shards):
+  """x with its axis `axis` split as [shards, n // shards] (the data shard, then the shard's own)."""
+  return x.reshape(x.shape[:axis] + (shards, x.shape[axis] // shards) + x.shape[axis + 1:])
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-  """The engine's device state: S slots, each one row of a ring of T columns."""
+  """The engine's device state: S slots over a cache in the `kv` layout."""
   cache: list  # (keys, values) per layer or stacked, models.decoder's layout and axes (cache_axes)
-  valid: jax.Array = _axes("batch", "length")  # [S, T] bool: the column holds a token of the slot's sequence
-  col_tok: jax.Array = _axes("batch", "length")  # [S, T] int32: the column's token
-  col_pos: jax.Array = _axes("batch", "length")  # [S, T] int32: its position
+  kv: Ring | Pages  # Ring: the cache is [S, T] rows; Pages: [blocks, P]
   pending: jax.Array = _axes("batch")  # [S] int32: the token the next step feeds (its KV not cached yet)
   pos: jax.Array = _axes("batch")  # [S] int32: pending's position
   count: jax.Array = _axes("batch")  # [S] int32: completion tokens sampled
   max_new: jax.Array = _axes("batch")  # [S] int32: the slot's token budget
   key: jax.Array = _axes("batch", None)  # [S, K] uint32: the slot's sample key (key data); its token c
   # is drawn with fold_in(key, c), so a sample does not depend on which slot or batch it runs in
-  t: jax.Array = _axes()  # [] int32: the ring column the next decode step writes (mod T)
-
-
-_FIELD_AXES = {f.name: f.metadata["axes"] for f in dataclasses.fields(DecodeState) if "axes" in f.metadata}
-RING_FIELDS = tuple(k for k, axes in _FIELD_AXES.items() if "length" in axes)  # [S, T]: one entry per ring column
 
 
 class Decoded(typing.NamedTuple):
@@ -79,35 +208,61 @@ def key_words() -> int:
   return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape[-1]
 
 
-def init_state(cfg, slots: int, length: int, cache_dtype) -> DecodeState:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the engine's KV lives: page == 0, a ring of `length` columns per slot; else a pool of
+  `blocks` blocks of `page` tokens (split over `shards` data shards), `length` positions per slot."""
+  slots: int
+  length: int
+  page: int = 0
+  blocks: int = 0
+  shards: int = 1
+
+  @property
+  def cache_rows(self) -> tuple:
+    """(rows, columns) of the cache arrays."""
+    return (self.blocks, self.page) if self.page else (self.slots, self.length)
+
+  @property
+  def table_width(self) -> int:
+    """M: blocks in a slot's table, enough for `length` positions."""
+    return -(-self.length // self.page)
+
+
+def init_state(cfg, layout: Layout, cache_dtype) -> DecodeState:
   zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
-  keys = zeros(slots, key_words(), dt=jnp.uint32)
-  return DecodeState(cache=init_cache(cfg, slots, length, cache_dtype), valid=zeros(slots, length, dt=bool),
-                     col_tok=zeros(slots, length), col_pos=zeros(slots, length), pending=zeros(slots), pos=zeros(slots),
-                     count=zeros(slots), max_new=zeros(slots), key=keys, t=jnp.int32(0))
+  s, t = layout.slots, layout.length
+  if layout.page:
+    kv = Pages(jnp.full((s, layout.table_width), layout.blocks, jnp.int32), layout.page, layout.shards)
+  else:
+    kv = Ring(zeros(s, t, dt=bool), zeros(s, t), zeros(s, t), jnp.int32(0))
+  return DecodeState(cache=init_cache(cfg, *layout.cache_rows, cache_dtype), kv=kv, pending=zeros(s), pos=zeros(s),
+                     count=zeros(s), max_new=zeros(s), key=zeros(s, key_words(), dt=jnp.uint32))
 
 
-def state_shardings(pool, cfg, slots: int, length: int) -> DecodeState:
+def state_shardings(pool, cfg, layout: Layout) -> DecodeState:
   """A DecodeState of the fields' shardings on `pool`."""
   cache = [
       tuple(pool.sharding(a, shape, "KV cache") for a, shape in zip(axes, shapes))
-      for axes, shapes in zip(cache_axes(cfg), cache_shapes(cfg, slots, length))
+      for axes, shapes in zip(cache_axes(cfg), cache_shapes(cfg, *layout.cache_rows))
   ]
-  return DecodeState(cache=cache, **{k: pool.sharding(axes) for k, axes in _FIELD_AXES.items()})
+  of = lambda cls: {k: pool.sharding(axes) for k, axes in _field_axes(cls).items()}
+  kv = Pages(**of(Pages), page=layout.page, shards=layout.shards) if layout.page else Ring(**of(Ring))
+  return DecodeState(cache=cache, kv=kv, **of(DecodeState))
 
 
-def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, max_new, keys, t) -> DecodeState:
-  """Caches prompts once and hands each to its slots (shared group prefill).
+def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, max_new, keys, count,
+            fill) -> DecodeState:
+  """Caches token rows once and hands each to its slots (shared group prefill).
 
-  tokens [n, Pb] right-padded prompts with lengths [n]; assignment a puts prompt src[a] into
-  slot slot_ids[a] (slot_ids == S marks padding, dropped) with a budget of max_new[a] tokens
-  and the sample key keys[a] [K] (key data).
-  t: the ring column the next decode step writes (the engine rewinds it when no slot is live).
-  The cache rows are rebuilt by a gather over the prompt KV and a select, not a scatter
-  (XLA's scatter runs element by element on CPU).
+  tokens [n, Pb] right-padded rows with lengths [n]: a row's tokens but the last are cached,
+  the last is its slots' pending token. Assignment a puts row src[a] into slot slot_ids[a]
+  (slot_ids == S marks padding, dropped) with a budget of max_new[a] tokens, count[a] of them
+  sampled already (a sequence resumed after preemption or a weight switch) and the sample key
+  keys[a] [K] (key data). fill: where the KV goes, per layout (Ring.fill, Pages.fill).
   """
   n, p_len = tokens.shape
-  slots, length = state.valid.shape
+  slots = state.pos.shape[0]
   j = jnp.arange(p_len)
   positions = jnp.broadcast_to(j, (n, p_len))
   _, kv = policy.apply(params, tokens, positions, Segments.causal(j[None] < lengths[:, None], positions),
@@ -115,31 +270,14 @@ def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, 
   slot_src = jnp.full((slots,), -1, jnp.int32).at[slot_ids].set(src, mode="drop")  # [S] prompt row or -1
   filled = slot_src >= 0
   row = jnp.maximum(slot_src, 0)
-  cached_len = lengths[row] - 1  # prompt[:-1] goes in the cache
-  # ring column c of slot s holds prompt token k = c - (t - cached_len) (mod T)
-  k = (jnp.arange(length)[None] - (t - cached_len[:, None])) % length  # [S, T]
-  in_prompt = filled[:, None] & (k < cached_len[:, None])
-  k = jnp.minimum(k, p_len - 1)
-
-  def put(dest, values, axis=1, lead=0):  # values [.., n (lead), .., Pb (axis), ..] -> dest [.., S, .., T, ..]
-    # on the prompt columns; lead: the batch axis (1 in a stacked cache, after the layer axis)
-    rows = (slice(None),) * lead + (row[:, None], k)
-    picked = jnp.moveaxis(jnp.moveaxis(values, axis, lead + 1)[rows], lead + 1, axis)
-    where = in_prompt.reshape((1,) * lead + in_prompt.shape + (1,) * (dest.ndim - 2 - lead))
-    return jnp.where(jnp.moveaxis(where, lead + 1, axis), picked, dest)
-
-  def per_slot(dest, values):
-    return jnp.where(filled, values, dest)
-
-  cache = map_cache(lambda dest, prompt, axes: put(dest, prompt, axes.index("length"), axes.index("batch")),
-                    state.cache, kv)
-  budget = jnp.zeros((slots,), jnp.int32).at[slot_ids].set(max_new, mode="drop")
-  pending, pos = per_slot(state.pending, tokens[row, cached_len]), per_slot(state.pos, cached_len)
-  count, max_new = per_slot(state.count, 0), per_slot(state.max_new, budget)
-  return dataclasses.replace(state, cache=cache, valid=jnp.where(filled[:, None], in_prompt, state.valid),
-                             col_tok=put(state.col_tok, tokens), col_pos=put(state.col_pos, positions), pending=pending,
-                             pos=pos, count=count, max_new=max_new, key=state.key.at[slot_ids].set(keys,
-                                                                                                   mode="drop"), t=t)
+  cache, layout = state.kv.fill(state.cache, kv, tokens, lengths, slot_src, fill)
+  per_slot = lambda dest, values: jnp.where(filled, values, dest)
+  scatter = lambda x: jnp.zeros((slots,), jnp.int32).at[slot_ids].set(x, mode="drop")
+  cached_len = lengths[row] - 1
+  return dataclasses.replace(state, cache=cache, kv=layout, pending=per_slot(state.pending, tokens[row, cached_len]),
+                             pos=per_slot(state.pos, cached_len), count=per_slot(state.count, scatter(count)),
+                             max_new=per_slot(state.max_new,
+                                              scatter(max_new)), key=state.key.at[slot_ids].set(keys, mode="drop"))
 
 
 def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, stop_on_finish,
@@ -147,36 +285,32 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
   """Up to max_steps decode steps over all slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
 
-  Attention reads ring columns [0, span) only: the caller promises that every live column and
-  every column these steps write lies there (span = the ring length when it has wrapped).
-  logits_sharding: rows over the batch axes, the vocabulary whole on each device. Drawing from
-  vocabulary-sharded logits needs the whole row anyway (the inverse CDF's running sum) plus
-  ~5 small collectives for maxima, sums and the pick; gathered once, the sampler needs none.
-  live [S] bool: the slots decoding.
+  Attention reads the cache columns [0, span) of the layout only (ring columns; positions of a
+  paged slot): the caller promises that every live column and every column these steps write
+  lies there. logits_sharding: rows over the batch axes, the vocabulary whole on each device.
+  Drawing from vocabulary-sharded logits needs the whole row anyway (the inverse CDF's running
+  sum) plus ~5 small collectives for maxima, sums and the pick; gathered once, the sampler needs
+  none. live [S] bool: the slots decoding.
   """
-  full, narrowed = state, span < state.valid.shape[1]
-  if narrowed:  # the loop runs on the ring's first span columns (copied in and out once per call,
-    state = _narrow(state, span)  # where every step would read the whole cache)
-  slots, length = state.valid.shape
+  full, narrowed = state, span < state.kv.width
+  if narrowed:  # the loop runs on the first span columns (a ring's copied in and out once per call,
+    state = state.kv.narrow(state, span)  # where every step would read the whole cache)
+  slots = state.pos.shape[0]
   eos = jnp.asarray(eos_ids, jnp.int32)
-  tables = rope_tables(policy.cfg, length)  # a slot's positions stay below the ring's length
+  tables = rope_tables(policy.cfg, state.kv.width)  # a slot's positions stay below the width it reads
 
   def body(loop):
     st, live, i = loop.state, loop.live, loop.step
-    col = st.t % length
-    valid = st.valid.at[:, col].set(True)
-    col_pos = st.col_pos.at[:, col].set(st.pos)
-    # key_positions: ring columns are not positions (sliding-window layers need the real distance)
-    logits, cache = policy.apply(params, st.pending[:, None], st.pos[:, None], valid[:, None, :], st.cache, col,
-                                 key_positions=col_pos, rope_tables=tables)
+    kv, mask, index, key_positions = st.kv.step(st.pending, st.pos, live)
+    logits, cache = policy.apply(params, st.pending[:, None], st.pos[:, None], mask[:, None, :], st.cache, index,
+                                 key_positions=key_positions, rope_tables=tables)
     logits = logits[:, -1] if logits_sharding is None else jax.lax.with_sharding_constraint(
         logits[:, -1], logits_sharding)
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(st.key), st.count)  # [S]: token count of slot s
     token, logprob = sample(logits, keys, **sampling)
     count = st.count + live
     finished = live & (jnp.isin(token, eos) | (count >= st.max_new))
-    st = dataclasses.replace(st, cache=cache, valid=valid, col_tok=st.col_tok.at[:, col].set(st.pending),
-                             col_pos=col_pos, pending=token, pos=st.pos + 1, count=count, t=st.t + 1)
+    st = dataclasses.replace(st, cache=cache, kv=kv, pending=token, pos=st.pos + 1, count=count)
     live_next = live & ~finished
     # (any live, any finished) in one reduction: one collective per step over the batch axes
     flags = jnp.any(jnp.stack([live_next, finished]), axis=1)
@@ -192,36 +326,24 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
       cond, body,
       _Loop(jnp.int32(0), state, live, rows(jnp.int32), rows(jnp.float32), rows(bool),
             jnp.stack([jnp.any(live), jnp.bool_(False)])))
-  state = _widen(loop.state, full) if narrowed else loop.state
+  state = loop.state.kv.widen(loop.state, full) if narrowed else loop.state
   return state, Decoded(loop.live, loop.tokens, loop.logprobs, loop.emitted, loop.step)
 
 
-def _narrow(state: DecodeState, span) -> DecodeState:
-  """The state on ring columns [0, span) (a copy)."""
-  cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, span, axis=axis)
-  return dataclasses.replace(state, cache=map_cache(lambda x, axes: cut(x, axes.index("length")), state.cache),
-                             **{k: cut(getattr(state, k), 1) for k in RING_FIELDS})
-
-
-def _widen(narrow: DecodeState, full: DecodeState) -> DecodeState:
-  """narrow's ring columns written over full's first ones."""
-  put = lambda dest, x, axis: jax.lax.dynamic_update_slice_in_dim(dest, x, 0, axis)
-  return dataclasses.replace(
-      narrow, cache=map_cache(lambda dest, x, axes: put(dest, x, axes.index("length")), full.cache, narrow.cache),
-      **{k: put(getattr(full, k), getattr(narrow, k), 1) for k in RING_FIELDS})
-
-
 def recompute(policy, params, state: DecodeState) -> DecodeState:
-  """Rebuilds every cached key/value with `params` from the columns' tokens and positions
-  (interruptible generation); sampled tokens and their logprobs stay as they were."""
-  valid, pos = state.valid, state.col_pos
+  """Rebuilds every cached key/value of a ring with `params` from the columns' tokens and
+  positions (interruptible generation); sampled tokens and their logprobs stay as they were. A
+  paged engine prefills its sequences' tokens again instead (the host holds them)."""
+  ring = state.kv
+  valid, pos = ring.valid, ring.col_pos
   slots, length = valid.shape
   # query column q sees key column k of the same sequence at an earlier or equal position
   mask = valid[:, :, None] & valid[:, None, :] & (pos[:, None, :] <= pos[:, :, None])
-  _, cache = policy.apply(params, state.col_tok, pos, mask,
-                          init_cache(policy.cfg, slots, length, state.cache[0][0].dtype), 0, key_positions=pos)
+  _, cache = policy.apply(params, ring.col_tok, pos, mask, init_cache(policy.cfg, slots, length,
+                                                                      state.cache[0][0].dtype), 0, key_positions=pos)
   return dataclasses.replace(state, cache=cache)
 
 
-def cache_bytes(cfg, slots: int, length: int, dtype) -> int:
-  return 2 * cfg.n_layers * slots * length * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def cache_bytes(cfg, rows: int, length: int, dtype) -> int:
+  """Bytes of a cache of rows x length tokens (slots x ring columns, or blocks x page)."""
+  return 2 * cfg.n_layers * rows * length * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize

@@ -20,28 +20,32 @@ def groups(p):
   return [(g.option.replica.device_type, g.option.replica.tensor, g.count) for g in p.groups]
 
 
-@pytest.mark.parametrize("model,counts", [
-    ("qwen2_1_5b", {
-        "H800": 4,
-        "H20": 4
-    }),
-    ("qwen2_7b", {
-        "v5e": 4,
-        "v6e": 4
-    }),
-    ("qwen2_7b", {
-        "A100": 5,
-        "H20": 3
-    }),
-    ("qwen2_1_5b", {
-        "v5p": 2,
-        "H100": 6
-    }),
-    ("qwen2_1_5b", {
-        "L4": 6,
-        "H200": 2
-    }),
-])
+@pytest.mark.parametrize(
+    "model,counts",
+    [
+        ("qwen2_1_5b", {
+            "H800": 4,
+            "H20": 4
+        }),
+        (
+            "qwen2_1_5b",
+            {  # 7B with Adam at 17k tokens needs more than 4 x 32 GB to train
+                "v5e": 4,
+                "v6e": 4
+            }),
+        ("qwen2_7b", {
+            "A100": 5,
+            "H20": 3
+        }),
+        ("qwen2_1_5b", {
+            "v5p": 2,
+            "H100": 6
+        }),
+        ("qwen2_1_5b", {
+            "L4": 6,
+            "H200": 2
+        }),
+    ])
 @pytest.mark.parametrize("objective", ["throughput", "cost"])
 def test_planner_equals_exhaustive_search_on_small_clusters(model, counts, objective):
   cfg = load_model(model)[1]
@@ -91,7 +95,8 @@ def test_unfilled_replicas_pay_for_their_weight_reads():
 
 @pytest.mark.parametrize("model", ["qwen2_7b", "qwen2_14b"])
 def test_areal_hex_setting_mix_beats_equal_budget_homogeneous(model):
-  """At 48 prompts x 8 (384 sequences) the 24 H800 train as data 3 x fsdp 8 and the mix wins as in the paper."""
+  """At 48 prompts x 8 (384 sequences) all 24 H800 train, with data 3 (fsdp x tensor 8, and a remat
+  policy, as memory needs), and the mix wins as in the paper."""
   cfg = load_model(model)[1]
   clusters = {name: al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml") for name in ("hex", "h800", "h20")}
   plans = {
@@ -99,7 +104,8 @@ def test_areal_hex_setting_mix_beats_equal_budget_homogeneous(model):
       for name, c in clusters.items()
   }
   mix = plans["hex"]
-  assert mix.train.device_type == "H800" and mix.train.layout == cm.TrainLayout(3, 8, 1)
+  assert mix.train.device_type == "H800" and mix.train.layout.devices == 24 and mix.train.layout.data == 3
+  assert mix.train.memory_bytes <= cm.MEMORY_HEADROOM * CAT["H800"].hbm_bytes
   assert {g.option.replica.device_type for g in mix.groups} == {"H20"}
   for name in ("h800", "h20"):
     assert mix.gen_tokens_per_s > 1.25 * plans[name].gen_tokens_per_s
@@ -114,7 +120,7 @@ def test_areal_hex_at_512_sequences_trains_on_two_whole_hosts():
   cfg = load_model("qwen2_7b")[1]
   plans = {name: al.plan(cfg, al.load_cluster(REPO / f"meshes/cluster-areal-{name}.yaml")) for name in ("hex", "h800")}
   mix = plans["hex"]
-  assert mix.train.layout == cm.TrainLayout(2, 8, 1) and mix.idle.get("H800") == 8
+  assert mix.train.layout.devices == 16 and mix.train.layout.data == 2 and mix.idle.get("H800") == 8
   assert {g.option.replica.device_type for g in mix.groups} == {"H20"}
   assert sum(g.assigned for g in mix.groups) == 512 and all(g.assigned % 8 == 0 for g in mix.groups)  # whole prompts
   assert mix.gen_tokens_per_s >= plans["h800"].gen_tokens_per_s * (1 - 1e-9)

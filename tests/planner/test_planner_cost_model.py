@@ -49,7 +49,8 @@ def test_layouts_are_the_ones_the_runtime_accepts():
   m15 = cm.ModelCost.from_config(load_model("qwen2_1_5b")[1])
   # 24 chips: data x fsdp must divide the batch and tensor the 4 KV heads: 512 sequences leave nothing.
   assert not list(cm.train_layouts(m7, CAT["H800"], 24, 5120, 512))
-  assert cm.TrainLayout(3, 8, 1) in list(cm.train_layouts(m7, CAT["H800"], 24, 5120, 384))
+  # each mesh with the least recomputing remat that fits: full activations of 5k tokens do not at fsdp 8
+  assert cm.TrainLayout(3, 8, 1, "dots") in list(cm.train_layouts(m7, CAT["H800"], 24, 5120, 384))
   assert all(512 % (t.data * t.fsdp) == 0 for t in cm.train_layouts(m7, CAT["H800"], 16, 5120, 512))
   # Rollout replicas: a tensor degree that splits the 12 heads but not the 2 KV heads of 1.5B is out.
   assert cm.replica(m15, CAT["H20"], 2, W) is not None and cm.replica(m15, CAT["H20"], 4, W) is None

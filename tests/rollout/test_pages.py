@@ -1,0 +1,149 @@
+"""The paged KV cache: the same tokens and logprobs as the contiguous ring, and block accounting.
+
+Each case runs one workload on a ring engine and a paged one (same weights, keys and slots, or
+more slots over a pool of the ring's memory) and compares every sample; the trainer parity of
+test_batching then holds for the paged engine too.
+"""
+import jax
+import numpy as np
+import pytest
+from rollout.test_batching import CFG, assert_parity, make_engine, run
+
+from jaxrl_hex.config import base_config, validate_fields
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.policy import Policy
+from jaxrl_hex.rollout.engine import Request
+
+
+@pytest.fixture(scope="module")
+def weights(pools):
+  policy = Policy.build(CFG)
+  shardings = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
+  return policy, policy.init(0, shardings), policy.init(1, shardings)
+
+
+def by_key(samples):
+  return sorted(samples, key=lambda s: (s.request_id, s.index))
+
+
+def assert_same(ring, paged):
+  ring, paged = by_key(ring), by_key(paged)
+  assert [(s.request_id, s.index) for s in ring] == [(s.request_id, s.index) for s in paged]
+  for a, b in zip(ring, paged):
+    assert a.tokens.tolist() == b.tokens.tolist() and a.finish_reason == b.finish_reason
+    assert a.versions.tolist() == b.versions.tolist()
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+
+
+PROMPTS = ["12+34=", "7=", "99+1=", "3+3=", "47+38=", "5="]
+BUDGETS = [20, 5, 12, 17, 9, 14]
+
+
+def requests(n=1, prompts=PROMPTS, budgets=BUDGETS):
+  return [Request(p, n=n, max_tokens=b, id=i, key=jax.random.key(i)) for i, (p, b) in enumerate(zip(prompts, budgets))]
+
+
+def both(pools, policy, params, reqs, page=4, blocks=0, paged_slots=None, greedy=False, on_poll=None, **kw):
+  out = []
+  for opts in (dict(kw), dict(kw, kv_page_size=page, kv_blocks=blocks, slots=paged_slots or kw.get("slots", 2))):
+    engine = make_engine(pools, policy, max_new_tokens=20, **opts)
+    engine.load_weights(0, params)
+    engine.greedy = greedy
+    out.append((engine, run(engine, reqs(), on_poll=on_poll and (lambda i, e=engine: on_poll(e, i)))))
+  return out
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_paged_decoding_equals_the_ring(pools, weights, greedy):
+  policy, params, _ = weights
+  (_, ring), (paged, mine) = both(pools, policy, params, requests, slots=4, greedy=greedy)
+  assert_same(ring, mine)
+  assert paged.preemptions == 0 and paged.blocks.held == 0  # every block back once all finished
+  if not greedy:
+    assert_parity(policy, {0: params}, mine)
+
+
+def test_group_samples_share_their_full_prompt_blocks(pools, weights):
+  policy, params, _ = weights
+  (_, ring), (paged, mine) = both(pools, policy, params, lambda: requests(n=4, prompts=["99+99+9="], budgets=[9]),
+                                  slots=4, paged_slots=8, blocks=20)
+  assert_same(ring, mine)
+  # step by step: a group of 4 admitted on one of the 2 data shards (4 slots each)
+  engine = make_engine(pools, policy, max_new_tokens=20, slots=8, kv_page_size=4, kv_blocks=32)  # none preempted
+  engine.load_weights(0, params)
+  engine.submit([Request("99+99+9=", n=4, max_tokens=9, key=jax.random.key(0))])
+  engine._admit()
+  seqs = [s for s in engine._seqs if s is not None]
+  # 9 prompt tokens, 8 cached: 2 full blocks shared, and each sample's own block for positions 8-11 (its first call)
+  assert {s.shard for s in seqs} == {0} and [len(s.blocks) for s in seqs] == [3] * 4
+  shared = seqs[0].blocks[:2]
+  assert all(s.blocks[:2] == shared for s in seqs) and len({s.blocks[2] for s in seqs}) == 4
+  assert [engine.blocks.refs(0, b) for b in shared] == [4, 4]
+  assert engine.blocks.held == 2 + 4
+  done = []
+  while engine.pending:
+    done += engine.poll()
+    if 0 < len(done) < 4:  # shared blocks stay held until the group's last sample ends
+      assert all(engine.blocks.refs(0, b) == 4 - len(done) for b in shared)
+  assert engine.blocks.held == 0 and engine.blocks.free(0) == engine.blocks.free(1) == 16
+
+
+def test_a_pool_that_runs_dry_preempts_and_recomputes_without_loss(pools, weights):
+  policy, params, _ = weights
+  # 8 slots over 2 shards, 10 blocks of 4 per shard: 40 tokens for 4 sequences of up to 26 tokens each
+  (_, ring), (paged, mine) = both(pools, policy, params, requests, slots=2, paged_slots=8, blocks=20, page=4)
+  assert_same(ring, mine)
+  assert paged.preemptions > 0 and paged.blocks.held == 0
+  assert_parity(policy, {0: params}, mine)
+
+
+def test_a_weight_switch_recomputes_the_paged_kv(pools, weights):
+  policy, old, new = weights
+  switch = lambda engine, i: i == 2 and engine.load_weights(1, new)
+  (_, ring), (paged, mine) = both(pools, policy, old, lambda: requests(n=2), slots=4, on_poll=switch)
+  assert_same(ring, mine)
+  assert any((s.versions == 0).any() and (s.versions == 1).any() for s in mine)  # switched mid-sequence
+  assert_parity(policy, {0: old, 1: new}, mine)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(sliding_window=4, layer_types=("sliding", "sliding", "full"), rope_local_theta=100.0, n_layers=3),
+    dict(scan_layers=True),
+    dict(scan_layers=True, sliding_window=4, layer_types=("sliding", "full"), rope_local_theta=100.0),
+], ids=["sliding", "scan", "scan-mixed"])
+def test_sliding_window_mixed_and_scanned_layers(pools, fields):
+  cfg = model_config(**dict(
+      dict(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64, tie_embeddings=True),
+      **fields))
+  policy = Policy.build(cfg)
+  params = policy.init(0, pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes()))
+  (_, ring), (_, mine) = both(pools, policy, params, requests, slots=2, paged_slots=8, blocks=20)
+  assert_same(ring, mine)
+
+
+def test_bad_knobs_are_refused_by_name(pools, weights):
+  policy, _, _ = weights
+  with pytest.raises(UserError, match=r"rollout.kv_blocks=6 must be a multiple of pool 'rollout' batch axes \(2 "):
+    make_engine(pools, policy, kv_page_size=4, kv_blocks=6)
+  with pytest.raises(UserError, match=r"24 tokens = 6 blocks of rollout.kv_page_size=4; use kv_blocks >= 12"):
+    make_engine(pools, policy, kv_page_size=4, kv_blocks=8)
+  cfg = base_config()
+  cfg.rollout.kv_blocks = 64
+  with pytest.raises(UserError, match=r"rollout.kv_blocks=64 sizes a paged KV cache; set rollout.kv_page_size > 0"):
+    validate_fields(cfg)
+  cfg.rollout.kv_page_size = -1
+  with pytest.raises(UserError, match=r"rollout.kv_page_size=-1 .* must be >= 0"):
+    validate_fields(cfg)
+  engine = make_engine(pools, policy, slots=4, kv_page_size=4)  # default: the ring's memory, in blocks
+  assert engine.layout.blocks == 4 * 6 and engine.memory["kv_cache_bytes"] == 2 * 2 * 24 * 4 * 2 * 8 * 4
+
+
+def test_interrupt_finish_keeps_reserving_blocks_while_it_drains(pools, weights):
+  policy, old, new = weights
+  engine = make_engine(pools, policy, max_new_tokens=20, slots=8, kv_page_size=4, kv_blocks=20, interrupt="finish")
+  engine.load_weights(0, old)
+  samples = run(engine, requests(), on_poll=lambda i: i == 1 and engine.load_weights(1, new))
+  assert sorted((s.request_id, len(s.tokens)) for s in samples) == list(enumerate(BUDGETS))
+  assert engine.version == 1 and engine.blocks.held == 0
+  assert_parity(policy, {0: old, 1: new}, samples)
