@@ -3,7 +3,7 @@ the engine's decode step compiled (never run) for Qwen2-7B, Qwen2-14B and a Llam
 simulated CPU devices of the layout's count, with per-device bytes from memory_analysis() next to
 the planner's train_memory estimate and the device's HBM.
 
-Cases: the planner's fastest fitting train layout (cost_model.train_layouts, train_time) on a TPU
+Cases: the planner's fastest fitting train layout (allocate.Problem.train_choice) on a TPU
 v5p-32 slice and on 8 x H100 for each model, and the train pools of the committed plans
 meshes/plan-v5p-h100-qwen2_7b.yaml and plan-v5e-v6e-qwen2_7b.yaml. The train step runs the
 planner's micro-batch (rows of prompt_len + output_len.max tokens per batch shard, the plans'
@@ -23,6 +23,7 @@ grow linearly with the length). Each device count runs in its own process
        its largest under-estimate, and each point's error at the committed constants
 """
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -92,16 +93,16 @@ def workload():
     return Workload.from_dict(yaml.safe_load(f)["workload"])
 
 
-def planner_train(m, dev, n, w, seq_len) -> dict:
-  """The planner's train step on n chips, as allocate.Problem.train_choice picks it: the fastest
-  layout (mesh and remat) that fits, and its micro-batch's rows per batch shard; {} if none fits."""
-  from jaxrl_hex.planner import cost_model as cm
-  layouts = list(cm.train_layouts(m, dev, n, seq_len, w.sequences))
-  if not layouts:
+def planner_train(name, dev, n, w, seq_len) -> dict:
+  """The planner's train step on n chips (allocate.Problem.train_choice, rows of seq_len tokens):
+  its mesh, remat and micro-batch rows per batch shard; {} if none fits."""
+  from jaxrl_hex.planner import allocate
+  w = dataclasses.replace(w, output_max=seq_len - w.prompt_len, output_mean=min(w.output_mean, seq_len - w.prompt_len))
+  choice = allocate.Problem(model_cfg(name), allocate.Cluster({dev.name: n}, {dev.name: dev},
+                                                              w)).train_choice(dev.name, n)
+  if choice is None:
     return {}
-  best = min(layouts, key=lambda t: cm.train_time(m, dev, t, w.trained_tokens, seq_len).total_s)
-  per_shard = -(-w.sequences // (best.data * best.fsdp))
-  return dict(mesh=best.mesh(), remat=best.remat, rows=cm.micro_batch_rows(m, dev, best, seq_len, per_shard))
+  return dict(mesh=choice.layout.mesh(), remat=choice.layout.remat, rows=choice.rows)
 
 
 def planner_replica(m, dev, w):
@@ -122,15 +123,14 @@ def cases(only):
       continue
     m = cm.ModelCost.from_config(model_cfg(name))
     for kind, n in SLICES:
-      train, rep = planner_train(m, catalog[kind], n, w, seq_len), planner_replica(m, catalog[kind], w)
+      train, rep = planner_train(name, catalog[kind], n, w, seq_len), planner_replica(m, catalog[kind], w)
       out.append(
           dict(model=name, device_type=kind, source=f"planner, {kind} x {n}", devices=n, seq_len=seq_len,
                **({
                    "mesh": None
                } | train), rollout_tensor=rep and rep.tensor, rollout_slots=rep and rep.slots))
   if not only or SWEEP["model"] in only:
-    m = cm.ModelCost.from_config(model_cfg(SWEEP["model"]))
-    train = planner_train(m, catalog[SWEEP["device_type"]], SWEEP["devices"], w, 4096)
+    train = planner_train(SWEEP["model"], catalog[SWEEP["device_type"]], SWEEP["devices"], w, 4096)
     for length in SWEEP["lengths"]:  # the planner's layout for 4k, one row per batch shard
       out.append(
           dict(model=SWEEP["model"], device_type=SWEEP["device_type"], devices=SWEEP["devices"], seq_len=length,

@@ -23,11 +23,11 @@ from jaxrl_hex.data.rollouts import bucket
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import local_device
 from jaxrl_hex.planner.catalog import load_catalog
-from jaxrl_hex.rl import packing
 from jaxrl_hex.rl.batch import TrainBatch
 from jaxrl_hex.rl.objectives import StartInputs, make_rl_loss
 from jaxrl_hex.rl.trainer import (
     critic_model,
+    layout_of,
     make_optimizer,
     optimizer_shardings,
     start_program,
@@ -129,17 +129,11 @@ def full_batch(sequences: int, prompt_len: int, completion_len: int, group_size:
                         (sequences, completion_len), np.int32))
 
 
-def train_layout(objective, pool, batch: TrainBatch) -> packing.Layout:
-  """The layout the Trainer makes of `batch` on `pool` (Trainer.plan)."""
-  return packing.plan(batch.tokens, batch.valid, batch.loss_mask, shards=pool.batch_ways, group_ids=batch.group_ids,
-                      **objective.layout_options)
-
-
 def train_step(policy, pool, objective, tx, batch: TrainBatch, state: TrainState | None = None) -> dict:
   """Compiles the Trainer's start pass and minibatch update for `batch` on `pool` without data.
   -> {"start": Program, "update": Program, "layout": (M, K, R, L), "state": TrainState}."""
   state = state or train_state(policy, pool, tx, objective)
-  layout = train_layout(objective, pool, batch)
+  layout = layout_of(objective, pool, batch)
   place = lambda x, s: jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype), sharding=s)
   rows, per_seq, slot, minibatch_of = step_inputs(pool, layout, batch, place)
   models = (policy, None if state.critic_params is None else critic_model(policy))

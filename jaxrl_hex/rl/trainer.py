@@ -75,8 +75,7 @@ class Trainer:
     if n % self.pool.batch_ways:
       raise UserError(f"train batch of {n} sequences does not divide over pool '{self.pool.name}' "
                       f"batch axes ({self.pool.batch_ways} ways); make the batch a multiple of it")
-    return packing.plan(batch.tokens, batch.valid, batch.loss_mask, shards=self.pool.batch_ways,
-                        group_ids=batch.group_ids, **self.objective.layout_options)
+    return layout_of(self.objective, self.pool, batch)
 
   def _prepare(self, batch: TrainBatch):
     """Host batch -> (layout, its Rows and the objective's TokenData on the pool, start metrics)."""
@@ -138,6 +137,12 @@ def optimizer_shardings(pool, tx, param_shardings, param_shapes):
   state = jax.eval_shape(tx.init, param_shapes)
   return optax.tree_map_params(tx, lambda _, sharding: sharding, state, param_shardings,
                                transform_non_params=lambda _: pool.replicated())
+
+
+def layout_of(objective, pool, batch: TrainBatch) -> packing.Layout:
+  """The objective's layout of `batch` over the pool's batch shards (rl.packing, on the host)."""
+  return packing.plan(batch.tokens, batch.valid, batch.loss_mask, shards=pool.batch_ways, group_ids=batch.group_ids,
+                      **objective.layout_options)
 
 
 def step_inputs(pool, layout: packing.Layout, batch: TrainBatch, place=jax.device_put):
