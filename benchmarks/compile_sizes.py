@@ -1,10 +1,10 @@
 """Real model sizes on the layouts the planner picks, proven by XLA: the trainer's GRPO update and
-the engine's decode step compiled (never run) for Qwen2-7B, Qwen2-14B and a Llama-70B shape on
+the engine's decode step compiled (never run) for Qwen2-7B, Qwen2-14B and Llama-3.1-70B on
 simulated CPU devices of the layout's count, with per-device bytes from memory_analysis() next to
 the planner's train_memory estimate and the device's HBM.
 
 Cases: the planner's fastest fitting train layout (allocate.Problem.train_choice) on a TPU
-v5p-32 slice and on 8 x H100 for each model, and the train pools of the committed plans
+v5p-32 slice and on one and two 8 x H100 hosts for each model, and the train pools of the committed plans
 meshes/plan-v5p-h100-qwen2_7b.yaml and plan-v5e-v6e-qwen2_7b.yaml. The train step runs the
 planner's micro-batch (rows of prompt_len + output_len.max tokens per batch shard, the plans'
 plan.train) with its remat policy; the decode step one replica of the planner's rollout choice
@@ -36,53 +36,57 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CLUSTER = os.path.join(ROOT, "meshes", "cluster-v5p-h100.yaml")  # the workload (prompt, output, batch)
 PLANS = ("plan-v5p-h100-qwen2_7b.yaml", "plan-v5e-v6e-qwen2_7b.yaml")
-LLAMA_70B = dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, mlp_dim=28672,
-                 tie_embeddings=False, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=8192)
-MODELS = ("qwen2_7b", "qwen2_14b", "llama_70b")
-SLICES = (("v5p", 32), ("H100", 8))
+MODELS = ("qwen2_7b", "qwen2_14b", "llama3_70b")
+SLICES = (("v5p", 32), ("H100", 8), ("H100", 16))
 # Qwen2.5-1.5B (Qwen2-1.5B's shape) GRPO on the planner's 8 x v5e (16 GB) layout at 8 rows per
 # micro-batch, one per batch shard, over lengths: the train step's memory against the length.
 SWEEP = dict(model="qwen2_1_5b", device_type="v5e", devices=8, lengths=(1024, 2048, 4096, 8192))
 GIB = 2**30
-# (model, train mesh, tokens per row, rows per batch shard, remat): the points the planner's
-# train_memory is fitted to.
+# (model, train mesh, tokens per row, rows per batch shard, remat, sequence parallel): the points
+# the planner's train_memory is fitted to.
 # yapf: disable
 FIT_POINTS = (
-    ("qwen2_1_5b", {"data": 4, "fsdp": 2}, 4096, 1, "full"),
-    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "full"),
-    ("qwen2_1_5b", {"fsdp": 8}, 8192, 1, "full"),
-    ("qwen2_1_5b", {"fsdp": 8}, 2048, 4, "full"),
-    ("qwen2_1_5b", {"fsdp": 4, "tensor": 2}, 4096, 1, "full"),
-    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "dots"),
-    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "none"),
-    ("qwen2_7b", {"fsdp": 8}, 4096, 1, "full"),
-    ("qwen2_7b", {"data": 2, "fsdp": 4}, 8192, 1, "full"),
-    ("qwen2_7b", {"fsdp": 4, "tensor": 2}, 4096, 1, "full"),
-    ("qwen2_7b", {"fsdp": 8}, 4096, 1, "dots"),
-    ("qwen2_7b", {"fsdp": 8}, 2048, 2, "none"),
-    ("qwen2_7b", {"fsdp": 4, "tensor": 2}, 16384, 1, "dots"),
-    ("qwen2_7b", {"fsdp": 8}, 16384, 1, "full"),
-    ("qwen2_14b", {"fsdp": 8}, 16384, 1, "full"),
-    ("qwen2_14b", {"data": 2, "fsdp": 4}, 8192, 2, "full"),
-    ("qwen2_14b", {"fsdp": 4, "tensor": 2}, 16384, 1, "dots"),
-    ("llama_70b", {"fsdp": 8}, 8192, 1, "full"),
-    ("llama_70b", {"fsdp": 8}, 16384, 1, "full"),
-    ("llama_70b", {"fsdp": 4, "tensor": 2}, 16384, 1, "full"),
-    ("qwen2_14b", {"fsdp": 8}, 16384, 2, "full"),
-    ("qwen2_7b", {"data": 4, "fsdp": 4, "tensor": 2}, 16384, 1, "dots"),
-    ("llama_70b", {"fsdp": 16, "tensor": 2}, 8192, 1, "full"),
-    ("llama_70b", {"fsdp": 32}, 8192, 1, "full"),
-    ("llama_70b", {"fsdp": 8, "tensor": 4}, 16384, 1, "full"),
-    ("qwen2_14b", {"fsdp": 8, "tensor": 4}, 16384, 1, "dots"),
+    ("qwen2_1_5b", {"data": 4, "fsdp": 2}, 4096, 1, "full", False),
+    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "full", False),
+    ("qwen2_1_5b", {"fsdp": 8}, 8192, 1, "full", False),
+    ("qwen2_1_5b", {"fsdp": 8}, 2048, 4, "full", False),
+    ("qwen2_1_5b", {"fsdp": 4, "tensor": 2}, 4096, 1, "full", False),
+    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "dots", False),
+    ("qwen2_1_5b", {"fsdp": 8}, 4096, 1, "none", False),
+    ("qwen2_7b", {"fsdp": 8}, 4096, 1, "full", False),
+    ("qwen2_7b", {"data": 2, "fsdp": 4}, 8192, 1, "full", False),
+    ("qwen2_7b", {"fsdp": 4, "tensor": 2}, 4096, 1, "full", False),
+    ("qwen2_7b", {"fsdp": 8}, 4096, 1, "dots", False),
+    ("qwen2_7b", {"fsdp": 8}, 2048, 2, "none", False),
+    ("qwen2_7b", {"fsdp": 4, "tensor": 2}, 16384, 1, "dots", False),
+    ("qwen2_7b", {"fsdp": 8}, 16384, 1, "full", False),
+    ("qwen2_14b", {"fsdp": 8}, 16384, 1, "full", False),
+    ("qwen2_14b", {"data": 2, "fsdp": 4}, 8192, 2, "full", False),
+    ("qwen2_14b", {"fsdp": 4, "tensor": 2}, 16384, 1, "dots", False),
+    ("llama3_70b", {"fsdp": 8}, 8192, 1, "full", False),
+    ("llama3_70b", {"fsdp": 8}, 16384, 1, "full", False),
+    ("llama3_70b", {"fsdp": 4, "tensor": 2}, 16384, 1, "full", False),
+    ("qwen2_14b", {"fsdp": 8}, 16384, 2, "full", False),
+    ("qwen2_7b", {"data": 4, "fsdp": 4, "tensor": 2}, 16384, 1, "dots", False),
+    ("llama3_70b", {"fsdp": 16, "tensor": 2}, 8192, 1, "full", False),
+    ("llama3_70b", {"fsdp": 32}, 8192, 1, "full", False),
+    ("llama3_70b", {"fsdp": 8, "tensor": 4}, 16384, 1, "full", False),
+    ("qwen2_14b", {"fsdp": 8, "tensor": 4}, 16384, 1, "dots", False),
+    ("qwen2_1_5b", {"fsdp": 4, "tensor": 2}, 4096, 1, "full", True),
+    ("qwen2_7b", {"fsdp": 4, "tensor": 2}, 16384, 1, "full", True),
+    ("qwen2_7b", {"data": 2, "fsdp": 4, "tensor": 4}, 8192, 1, "full", True),
+    ("qwen2_14b", {"fsdp": 8, "tensor": 4}, 16384, 1, "full", True),
+    ("llama3_70b", {"fsdp": 8, "tensor": 4}, 16384, 1, "full", True),
+    ("llama3_70b", {"fsdp": 16, "tensor": 2}, 8192, 1, "full", True),
+    ("llama3_70b", {"fsdp": 8, "tensor": 4}, 8192, 2, "full", True),
 )
 FIT_DEVICES = 32  # the fit's process simulates this many; each point's pool takes the first it needs
 # yapf: enable
 
 
 def model_cfg(name):
-  from jaxrl_hex.models.config import model_config
   from jaxrl_hex.planner.model_files import load_model
-  cfg = model_config(**LLAMA_70B) if name == "llama_70b" else load_model(name)[1]
+  cfg = load_model(name)[1]
   cfg.update(dtype="bfloat16", param_dtype="bfloat16", scan_layers=True, remat="full")
   return cfg
 
@@ -102,7 +106,8 @@ def planner_train(name, dev, n, w, seq_len) -> dict:
                                                               w)).train_choice(dev.name, n)
   if choice is None:
     return {}
-  return dict(mesh=choice.layout.mesh(), remat=choice.layout.remat, rows=choice.rows)
+  return dict(mesh=choice.layout.mesh(), remat=choice.layout.remat, sequence_parallel=choice.layout.sequence_parallel,
+              rows=choice.rows)
 
 
 def planner_replica(m, dev, w):
@@ -154,8 +159,9 @@ def cases(only):
     out.append(
         dict(model=name, device_type=train["device_type"], source=f"meshes/{plan}", devices=train["devices"],
              seq_len=plan_len, workload=raw["plan"]["workload"], mesh=train["mesh"], remat=knobs["remat"], rows=rows,
-             rollout_device_type=rollout["device_type"], rollout_tensor=rollout["mesh"]["tensor"], rollout_slots=rep and
-             rep.slots))
+             sequence_parallel=(train.get("rules") or
+                                {}).get("length") == "tensor", rollout_device_type=rollout["device_type"],
+             rollout_tensor=rollout["mesh"]["tensor"], rollout_slots=rep and rep.slots))
   return out
 
 
@@ -176,14 +182,20 @@ def measure(case, w) -> dict:
   seq_len, rows = case["seq_len"], case.get("rows", 1)
   out = dict(case, hbm_bytes=catalog[case["device_type"]].hbm_bytes)
   if case["mesh"] is not None:
-    pool = meshes.Pool(meshes.PoolSpec("train", tuple(range(case["devices"])), case["mesh"], meshes.DEFAULT_RULES))
+    sp = case.get("sequence_parallel", False)
+    pool = meshes.Pool(meshes.PoolSpec("train", tuple(range(case["devices"])), case["mesh"], train_rules(sp)))
     objective, tx = make_rl_loss(base.algo, 1.0), make_optimizer(base.optim, 100)
     prompt = min(w.prompt_len, seq_len // 2)
     batch = footprint.full_batch(pool.batch_ways * rows, prompt, seq_len - prompt, group_size=1)
     step = footprint.train_step(policy, pool, objective, tx, batch)
     out["train"] = {k: step[k].as_dict() for k in ("start", "update")}
     out["train_layout"] = list(step["layout"])
-    layout = cm.TrainLayout(**{"data": 1, "fsdp": 1, "tensor": 1, **case["mesh"]}, remat=cfg.remat)
+    layout = cm.TrainLayout(**{
+        "data": 1,
+        "fsdp": 1,
+        "tensor": 1,
+        **case["mesh"]
+    }, remat=cfg.remat, sequence_parallel=sp)
     out["planner_train_bytes"] = cm.train_memory(m, layout, seq_len, rows)
     out["state_bytes"] = footprint.sharded_bytes((step["state"].params, step["state"].opt_state))
   if case.get("rollout_tensor"):
@@ -207,17 +219,18 @@ def measure_fit_points() -> list:
   from jaxrl_hex.rl.objectives import make_rl_loss
   from jaxrl_hex.rl.trainer import make_optimizer
   base, out = base_config(), []
-  for name, mesh, seq_len, rows, remat in FIT_POINTS:
+  for name, mesh, seq_len, rows, remat, sp in FIT_POINTS:
     cfg = model_cfg(name)
     cfg.remat = remat
     devices = tuple(range(int(np.prod(list(mesh.values())))))
-    pool = meshes.Pool(meshes.PoolSpec("train", devices, mesh, meshes.DEFAULT_RULES))
+    pool = meshes.Pool(meshes.PoolSpec("train", devices, mesh, train_rules(sp)))
     prompt = min(1024, seq_len // 2)
     batch = footprint.full_batch(pool.batch_ways * rows, prompt, seq_len - prompt, group_size=1)
     step = footprint.train_step(Policy.build(cfg), pool, make_rl_loss(base.algo, 1.0), make_optimizer(base.optim, 100),
                                 batch)
     out.append(
-        dict(model=name, mesh=mesh, seq_len=seq_len, rows=rows, remat=remat, peak_bytes=step["update"].peak_bytes))
+        dict(model=name, mesh=mesh, seq_len=seq_len, rows=rows, remat=remat, sequence_parallel=sp,
+             peak_bytes=step["update"].peak_bytes))
   return out
 
 
@@ -230,12 +243,14 @@ def fit(points) -> dict:
   features, targets, states = [], [], []
   for p in points:
     m = cm.ModelCost.from_config(model_cfg(p["model"]))
-    layout = cm.TrainLayout(**{"data": 1, "fsdp": 1, "tensor": 1, **p["mesh"]}, remat=p["remat"])
+    sp = p["sequence_parallel"]
+    layout = cm.TrainLayout(**{"data": 1, "fsdp": 1, "tensor": 1, **p["mesh"]}, remat=p["remat"], sequence_parallel=sp)
     shards, t = layout.fsdp * layout.tensor, layout.tensor
     token_layers = p["rows"] * p["seq_len"] * m.n_layers
     features.append(
         [m.vocab * m.d_model / t, m.params / shards] +
-        [token_layers * width * (p["remat"] == r) for r in cm.REMATS for width in (m.d_model, m.mlp_dim / t)])
+        [token_layers * w * (p["remat"] == r and not sp) for r in cm.REMATS for w in (m.d_model, m.mlp_dim / t)] +
+        [token_layers * m.d_model / t * sp])
     states.append(4 * m.weight_bytes / shards)
     targets.append(p["peak_bytes"] - states[-1])
     p["planner_bytes"] = cm.train_memory(m, layout, p["seq_len"], p["rows"])
@@ -246,10 +261,15 @@ def fit(points) -> dict:
   errors = (np.array(features) @ coef + np.array(states)) / peaks - 1
   fitted = dict(HEAD_BYTES=coef[0], OPT_TEMP_BYTES=coef[1], SAVED_BYTES={
       r: tuple(coef[2 + 2 * i:4 + 2 * i]) for i, r in enumerate(cm.REMATS)
-  }, TRAIN_MEMORY_MARGIN=1 / (1 + min(errors.min(), 0)) - 1)
+  }, SP_SAVED_BYTES=coef[-1], TRAIN_MEMORY_MARGIN=1 / (1 + min(errors.min(), 0)) - 1)
   committed = dict(HEAD_BYTES=cm.HEAD_BYTES, OPT_TEMP_BYTES=cm.OPT_TEMP_BYTES, SAVED_BYTES=cm.SAVED_BYTES,
-                   TRAIN_MEMORY_MARGIN=cm.TRAIN_MEMORY_MARGIN)
+                   SP_SAVED_BYTES=cm.SP_SAVED_BYTES, TRAIN_MEMORY_MARGIN=cm.TRAIN_MEMORY_MARGIN)
   return dict(fitted=fitted, committed=committed, points=points)
+
+
+def train_rules(sequence_parallel: bool) -> dict:
+  from jaxrl_hex import meshes
+  return dict(meshes.DEFAULT_RULES, **({"length": ("tensor",)} if sequence_parallel else {}))
 
 
 def gib(b):
@@ -269,6 +289,7 @@ def table(results) -> str:
       peak = r["train"]["update"]["peak_bytes"]
       mesh = "x".join(f"{k[0]}{v}" for k, v in r["mesh"].items())
       mesh += f", {r.get('rows', 1)} x {r['seq_len']}, remat {r.get('remat', 'full')}"
+      mesh += ", sequence parallel" if r.get("sequence_parallel") else ""
       train = (f"{mesh} | {gib(peak)} ({gib(r['state_bytes'])}) | {gib(r['planner_train_bytes'])} | "
                f"{peak / r['planner_train_bytes']:.2f} | {gib(hbm)} | {'yes' if peak <= hbm else 'NO'} | "
                f"{r['train']['update']['compile_seconds']:.0f}")

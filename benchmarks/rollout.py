@@ -89,13 +89,14 @@ def _our_policy():
   return pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
 
 
-def run_ours(w, repeats, steps_per_sync):
+def run_ours(w, repeats, steps_per_sync, kv_page_size=0):
   import jax
 
   from jaxrl_hex.rollout.engine import Engine, Request
   pool, policy, params = _our_policy()
   engine = Engine(policy, pool, IntTokenizer(), w["max_new"], temperature=1.0, slots=w["slots"],
-                  max_prompt_len=w["prompts"].shape[1], eos_ids=(EOS,), steps_per_sync=steps_per_sync)
+                  max_prompt_len=w["prompts"].shape[1], eos_ids=(EOS,), steps_per_sync=steps_per_sync,
+                  kv_page_size=kv_page_size)
   engine.load_weights(0, params)
   g = w["group"]
 
@@ -182,6 +183,7 @@ def main(argv=None):
   ap.add_argument("--engine", required=True, choices=ENGINES)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--steps-per-sync", type=int, default=16)
+  ap.add_argument("--kv-page-size", type=int, default=0, help="ours: page the KV cache (rollout.kv_page_size)")
   ap.add_argument("--json", action="store_true", help="print one JSON object (the default prints a line)")
   args = ap.parse_args(argv)
   if args.engine == "tunix" and os.path.realpath(sys.prefix) != os.path.realpath(
@@ -192,7 +194,7 @@ def main(argv=None):
   import jax
   w = workload(args.workload)
   if args.engine == "ours":
-    out = run_ours(w, args.repeats, args.steps_per_sync)
+    out = run_ours(w, args.repeats, args.steps_per_sync, args.kv_page_size)
   elif args.engine == "naive":
     out = run_naive(w, args.repeats)
   else:

@@ -189,8 +189,10 @@ def preflight(cfg, policy, pool, catalog=None) -> dict | None:
     _, k, rows, length = step["layout"]
     m = policy.cfg
     knobs = [f"lower algo.micro_batch_tokens (now {k} micro-batch(es) of {rows} rows x {length} tokens)"]
-    knobs += ["set model.remat='full'"] if m.remat == "none" else []
+    knobs += ["set model.remat='full'"] if m.remat != "full" else []
     knobs += ["set model.scan_layers=True"] if not m.scan_layers else []
+    if pool.axis_sizes.get("tensor", 1) > 1 and "tensor" not in pool.spec.rules["length"]:
+      knobs += [f"split the sequence over tensor (pools.{pool.name}.rules: {{length: tensor}})"]
     knobs += [f"give pools.{pool.name}.mesh more fsdp (now {pool.axis_sizes})"]
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     raise UserError(f"pools.{pool.name}: the compiled train step needs {gib(need)} per device but a device has "

@@ -120,6 +120,7 @@ def test_preflight_refuses_a_step_that_does_not_fit_in_one_line(pools, setup):
   # 32 prompts x 8 samples, each of max_prompt_len 64 + max_new_tokens 6 tokens
   assert "lower algo.micro_batch_tokens (now 1 micro-batch(es) of 256 rows x 70 tokens)" in message
   assert "set model.remat='full', set model.scan_layers=True" in message
+  assert "split the sequence over tensor (pools.train.rules: {length: tensor})" in message
   assert "give pools.train.mesh more fsdp (now {'fsdp': 2, 'tensor': 2})" in message
 
 

@@ -203,6 +203,10 @@ class MLP(nnx.Module):
 
 # The residual stream [B, T, d_model]: split over the batch axes only (models.sharding).
 RESIDUAL_AXES = ("batch", "length", "act_embed")
+# A block's input after its norm: whole over the length on every device. With sequence
+# parallelism (a pool's rules map length to tensor, Megatron-style) the residual between blocks is
+# split over the sequence and gathered here, where heads and the MLP split over tensor instead.
+BLOCK_INPUT_AXES = ("batch", "act_length", "act_embed")
 
 
 class Block(nnx.Module):
@@ -219,9 +223,9 @@ class Block(nnx.Module):
 
   def __call__(self, x, table, mask, cache, cache_index):
     x = constrain(x, RESIDUAL_AXES)
-    a, cache = self.attn(self.attn_norm(x), table, mask, cache, cache_index)
+    a, cache = self.attn(constrain(self.attn_norm(x), BLOCK_INPUT_AXES), table, mask, cache, cache_index)
     x = constrain(x + (self.post_attn_norm(a) if self.post_norms else a), RESIDUAL_AXES)
-    m = self.mlp(self.mlp_norm(x))
+    m = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT_AXES))
     return constrain(x + (self.post_mlp_norm(m) if self.post_norms else m), RESIDUAL_AXES), cache
 
 

@@ -121,6 +121,7 @@ class TrainChoice:
     batch_ways = self.layout.data * self.layout.fsdp
     return {
         "remat": self.layout.remat,
+        "sequence_parallel": self.layout.sequence_parallel,  # written as the train pool's rules
         "micro_batch_tokens": 0 if self.whole_batch else batch_ways * self.rows * self.seq_len,  # 0: one micro-batch
         "memory_gb_per_chip": round(self.memory_bytes / 1e9, 2),
         "usable_gb_per_chip": round(cm.MEMORY_HEADROOM * dev.hbm_gb, 2)
@@ -303,7 +304,8 @@ def predict_written(model_cfg, cluster: Cluster, plan_data: dict, name="model") 
   t, r = pools["train"], pools["rollout"]
   axes = t["mesh"]
   remat = plan_data.get("plan", {}).get("train", {}).get("remat", "none")
-  layout = cm.TrainLayout(axes.get("data", 1), axes.get("fsdp", 1), axes.get("tensor", 1), remat)
+  sp = (t.get("rules") or {}).get("length") == "tensor"
+  layout = cm.TrainLayout(axes.get("data", 1), axes.get("fsdp", 1), axes.get("tensor", 1), remat, sp)
   train = prob.train_choice(t["device_type"], layout.devices, [layout])
   if train is None:
     raise PlanError(f"the plan's train pool ({layout.devices} x {t['device_type']}, mesh {axes}) does not fit the "

@@ -86,6 +86,9 @@ def plan_to_mesh(p: allocate.Plan, model_name, cluster: allocate.Cluster, altern
           "device_type": t.device_type,
           "devices": t.layout.devices,
           "mesh": t.layout.mesh(),
+          **({
+              "rules": t.layout.rules()
+          } if t.layout.rules() else {}),
           **_pool_hosts(t.device_type, t.layout.devices, cluster),
           **_pinned(cluster, t.device_type)
       },

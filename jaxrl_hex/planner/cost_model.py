@@ -12,8 +12,9 @@ from jaxrl_hex.planner import PlanError
 # Fraction of HBM the planner fills: the rest is XLA scratch, fragmentation and runtime buffers.
 MEMORY_HEADROOM = 0.9
 # The train step's memory beyond its state, per device, fitted to XLA's compiled figures for the
-# real step (benchmarks/compile_sizes.py --part fit: Qwen2 1.5B, 7B and 14B and a 70B Llama on 8
-# to 32 devices, 2k-16k tokens, tensor 1-4, each remat policy; 26 points, each within 7%): bytes
+# real step (benchmarks/compile_sizes.py --part fit: Qwen2 1.5B, 7B and 14B and Llama-3.1-70B on 8
+# to 32 devices, 2k-16k tokens, tensor 1-4, each remat policy, with and without sequence
+# parallelism; 33 points, each within 10%): bytes
 # per element of the output head as a device holds it (vocab x d_model / tensor: the head
 # gathered over fsdp, its gradient summed over the logprob chunks, and their fp32 copies), per
 # sharded parameter (the optimizer update's temporaries), and per token and layer, for what the
@@ -21,12 +22,17 @@ MEMORY_HEADROOM = 0.9
 # residual stream, whole on every tensor device) and per unit of mlp_dim / tensor (the MLP's
 # activations, split). XLA:CPU is the compiler here (it upcasts bf16 matmuls to fp32), so the
 # figures are a proxy for TPU and GPU, on the safe side.
-HEAD_BYTES = 15.0
+HEAD_BYTES = 15.3
 OPT_TEMP_BYTES = 3.1
-SAVED_BYTES = {"none": (32.6, 26.4), "dots": (9.6, 10.2), "full": (5.7, 0.0)}
-# The fit's largest under-estimate (-7%): a layout fits when its estimate times 1 + this margin
+SAVED_BYTES = {"none": (32.3, 26.3), "dots": (9.6, 10.1), "full": (5.7, 0.0)}
+# Under remat full with sequence parallelism (TrainLayout.sequence_parallel), what the backward
+# pass keeps per token and layer is the block input split over the tensor devices: bytes per unit
+# of d_model / tensor, fitted to its own points. Under the other policies the saved dot outputs
+# do not all split, so the planner counts them as without it (an upper bound, by XLA's figures).
+SP_SAVED_BYTES = 7.75
+# The fit's largest under-estimate (-10%): a layout fits when its estimate times 1 + this margin
 # fits, so no fitted point the planner would pass overflows.
-TRAIN_MEMORY_MARGIN = 0.08
+TRAIN_MEMORY_MARGIN = 0.11
 # Extra forward FLOPs per parameter and token each policy recomputes in the backward pass
 # ("dots" recomputes only elementwise work and attention, which attn_flops counts).
 RECOMPUTE_FLOPS = {"none": 0.0, "dots": 0.0, "full": 2.0}
@@ -149,6 +155,11 @@ class TrainLayout:
   fsdp: int
   tensor: int
   remat: str = "none"  # the model.remat policy the step runs with
+  # Megatron-style sequence parallelism: the residual stream between blocks split over the
+  # sequence on the tensor devices (the pool's rules map `length` to tensor), so what the
+  # backward pass keeps of it shrinks by the tensor degree; the activation all-reduces become an
+  # all-gather and a reduce-scatter of the same bytes.
+  sequence_parallel: bool = False
 
   @property
   def devices(self) -> int:
@@ -156,6 +167,10 @@ class TrainLayout:
 
   def mesh(self) -> dict:
     return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+  def rules(self) -> dict:
+    """The train pool's rules beyond meshes.DEFAULT_RULES that this layout needs."""
+    return {"length": "tensor"} if self.sequence_parallel else {}
 
 
 def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int, rows: int = 1) -> float:
@@ -166,6 +181,8 @@ def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int, rows: int = 1)
   state = 4 * m.weight_bytes / shards
   head = HEAD_BYTES * m.vocab * m.d_model / t
   per_d, per_mlp = SAVED_BYTES[layout.remat]
+  if layout.sequence_parallel and layout.remat == "full":
+    per_d = SP_SAVED_BYTES / t
   saved = (per_d * m.d_model + per_mlp * m.mlp_dim / t) * m.n_layers * rows * seq_len
   return state + head + OPT_TEMP_BYTES * m.params / shards + saved
 
@@ -209,14 +226,17 @@ def train_layouts(m: ModelCost, dev, n: int, seq_len: int, sequences: int | None
   """Layouts of n chips that fit in memory and that the runtime accepts (meshes.DEFAULT_RULES:
   fsdp splits d_model; tensor splits heads, KV heads, MLP and vocab, inside one host; the batch
   splits over data x fsdp, which must divide `sequences`, a step's batch, when given), each mesh
-  with the least recomputing remat policy that fits it."""
+  with the least recomputing remat policy that fits it, and sequence parallelism (with remat
+  full) only where the mesh fits nothing else: it costs no FLOPs, but XLA's partitioner lays
+  some of its backward pass out less well."""
   for t in _divisors(n):
     if t > dev.chips_per_host or not tensor_shards(m, t):
       continue
     for f in _divisors(n // t):
       if m.d_model % f or (sequences is not None and sequences % (n // t)):
         continue
-      fitting = (TrainLayout(n // (t * f), f, t, remat) for remat in REMATS)
+      knobs = [(remat, False) for remat in REMATS] + [("full", True)] * (t > 1)
+      fitting = (TrainLayout(n // (t * f), f, t, remat, sp) for remat, sp in knobs)
       layout = next((x for x in fitting if train_fits(m, dev, x, seq_len)), None)
       if layout is not None:
         yield layout

@@ -469,17 +469,20 @@ class Engine:
     return S.init_state(self.policy.cfg, self.layout, self.cache_dtype)
 
   def _decode(self, stop_on_finish: bool):
+    args = (self._live, np.bool_(stop_on_finish))
     if self.paged:
       reach = max(self._blocks_needed(self._seqs[s]) for s in np.flatnonzero(self._live)) * self.layout.page
       span = self._span(reach)
       table = jax.device_put(self._table, self._state_shardings.kv.table)
       self._state = dataclasses.replace(self._state, kv=dataclasses.replace(self._state.kv, table=table))
+      rows = self._rows()
+      args += () if rows is None else (rows,)
     else:
       span = self._span(self._t + self.steps_per_sync)
-    fn = self._compile(("decode", self.greedy, span), self._decode_fn(span), self.params, self._state, self._live,
-                       np.bool_(stop_on_finish), host_outputs=True)
+    fn = self._compile(("decode", self.greedy, span, len(args[2]) if len(args) > 2 else self.num_slots),
+                       self._decode_fn(span), self.params, self._state, *args, host_outputs=True)
     t0 = time.perf_counter()
-    self._state, out = fn(self.params, self._state, self._live, np.bool_(stop_on_finish))
+    self._state, out = fn(self.params, self._state, *args)
     out = to_host(out)
     self.decode_seconds += time.perf_counter() - t0
     steps = int(out.steps)
@@ -499,6 +502,25 @@ class Engine:
         del seq.tokens[stop_at:], seq.logprobs[stop_at:], seq.versions[stop_at:]
       if reason is not None:
         self._finish(slot, reason)
+
+  def _rows(self):
+    """The slots a paged decode call runs on (slots.decode's rows): each data shard's live slots,
+    padded with its idle ones to the most any shard has live, bucketed (_row_buckets); None
+    when that is all of them."""
+    per = self.num_slots // self.layout.shards
+    live = self._live.reshape(self.layout.shards, per)
+    r = next(b for b in self._row_buckets() if b >= live.sum(1).max())
+    if r == per:
+      return None
+    # a stable sort puts each shard's live slots first, in slot order, then its idle ones
+    order = np.argsort(~live, axis=1, kind="stable")[:, :r]
+    return (order + per * np.arange(self.layout.shards)[:, None]).reshape(-1).astype(np.int32)
+
+  def _row_buckets(self) -> list:
+    """Slots per data shard a paged decode call may run on: powers of two from an eighth of the
+    shard's slots (a few programs, compiled once each), and all of them."""
+    per = self.num_slots // self.layout.shards
+    return sorted({min(per, pow2_bucket(n, max(1, per // 8))) for n in range(1, per + 1)})
 
   def _span(self, end: int) -> int:
     """Columns a decode call attends to when its last step writes column end - 1: a quarter of
@@ -608,9 +630,12 @@ class Engine:
     else:
       first = self.max_prompt_len - 1 + self.steps_per_sync  # a call's last column, at the earliest (rewound ring)
       spans = sorted({self._span(end) for end in range(first, self.length + 2)})
+    buckets = self._row_buckets() if self.paged else [self.num_slots]
     for span in spans:
-      self._compile(("decode", self.greedy, span), self._decode_fn(span), params, state, *self._decode_args(),
-                    host_outputs=True)
+      for r in buckets:
+        rows = () if r == buckets[-1] else (np.zeros(r * self.layout.shards, np.int32),)
+        self._compile(("decode", self.greedy, span, len(rows[0]) if rows else self.num_slots), self._decode_fn(span),
+                      params, state, *self._decode_args(), *rows, host_outputs=True)
     if self.interrupt == "recompute" and not self.paged:
       self._compile(("recompute",), functools.partial(S.recompute, self.policy), params, state)
     return time.perf_counter() - t0

@@ -16,8 +16,9 @@ Pages (the paged cache). The cache is a pool of B blocks of P tokens, laid out a
 B rows x P columns (the same arrays, axes and shardings: blocks split over the batch axes like
 slots, kv_heads over tensor). Slot s holds position p in block table[s, p // P] at column p % P;
 the table (host-owned, models.decoder.PagedIndex) names blocks of the slot's own data shard, so
-every gather and write stays on the devices that hold the slot. A decode call reads the blocks
-of positions [0, span) only. The host hands blocks out between calls (rollout.pages), shares a
+every gather and write stays on the devices that hold the slot. A decode call runs on the slots
+the engine names (its live ones, padded to a bucket: take_rows) and reads the blocks of positions
+[0, span) only. The host hands blocks out between calls (rollout.pages), shares a
 group's full prompt blocks between its samples and rebuilds a sequence's KV (after preemption
 or a weight switch) by prefilling its tokens again: the host holds every token, so the paged
 state keeps none.
@@ -280,9 +281,26 @@ def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, 
                                               scatter(max_new)), key=state.key.at[slot_ids].set(keys, mode="drop"))
 
 
-def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, stop_on_finish,
+PER_SLOT = ("pending", "pos", "count", "max_new", "key")  # DecodeState's [S, ...] fields
+
+
+def take_rows(state: DecodeState, rows) -> DecodeState:
+  """A paged state on the slots `rows` [R] only: their per-slot fields and block tables, the
+  same pool of blocks (a paged slot's KV is wherever its table says, so nothing big moves)."""
+  kv = dataclasses.replace(state.kv, table=state.kv.table[rows])
+  return dataclasses.replace(state, kv=kv, **{f: getattr(state, f)[rows] for f in PER_SLOT})
+
+
+def put_rows(full: DecodeState, small: DecodeState, rows) -> DecodeState:
+  """full with take_rows(full, rows)'s per-slot fields and cache replaced by small's (the table
+  is the host's, unchanged by a decode call)."""
+  put = lambda f: getattr(full, f).at[rows].set(getattr(small, f))
+  return dataclasses.replace(full, cache=small.cache, **{f: put(f) for f in PER_SLOT})
+
+
+def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, stop_on_finish, rows=None,
            logits_sharding=None) -> tuple[DecodeState, Decoded]:
-  """Up to max_steps decode steps over all slots; returns early once a slot finishes and
+  """Up to max_steps decode steps over the slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
 
   Attention reads the cache columns [0, span) of the layout only (ring columns; positions of a
@@ -290,12 +308,17 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
   lies there. logits_sharding: rows over the batch axes, the vocabulary whole on each device.
   Drawing from vocabulary-sharded logits needs the whole row anyway (the inverse CDF's running
   sum) plus ~5 small collectives for maxima, sums and the pick; gathered once, the sampler needs
-  none. live [S] bool: the slots decoding.
+  none. live [S] bool: the slots decoding. rows [R] (paged only): the distinct slots the steps
+  run on, every live one among them, shard by shard (R / D of each data shard's, in order), so
+  slots left idle by a long tail cost nothing; the outputs are still [.., S].
   """
+  whole, slots = state, state.pos.shape[0]
+  if rows is not None:
+    state, live = take_rows(state, rows), live[rows]
   full, narrowed = state, span < state.kv.width
   if narrowed:  # the loop runs on the first span columns (a ring's copied in and out once per call,
     state = state.kv.narrow(state, span)  # where every step would read the whole cache)
-  slots = state.pos.shape[0]
+  width = state.pos.shape[0]
   eos = jnp.asarray(eos_ids, jnp.int32)
   tables = rope_tables(policy.cfg, state.kv.width)  # a slot's positions stay below the width it reads
 
@@ -321,13 +344,17 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
     any_live, any_finished = loop.flags
     return (loop.step < max_steps) & any_live & ~(any_finished & stop_on_finish)
 
-  rows = lambda dtype: jnp.zeros((max_steps, slots), dtype)
+  per_step = lambda dtype: jnp.zeros((max_steps, width), dtype)
   loop = jax.lax.while_loop(
       cond, body,
-      _Loop(jnp.int32(0), state, live, rows(jnp.int32), rows(jnp.float32), rows(bool),
+      _Loop(jnp.int32(0), state, live, per_step(jnp.int32), per_step(jnp.float32), per_step(bool),
             jnp.stack([jnp.any(live), jnp.bool_(False)])))
   state = loop.state.kv.widen(loop.state, full) if narrowed else loop.state
-  return state, Decoded(loop.live, loop.tokens, loop.logprobs, loop.emitted, loop.step)
+  out = Decoded(loop.live, loop.tokens, loop.logprobs, loop.emitted, loop.step)
+  if rows is None:
+    return state, out
+  spread = lambda x: jnp.zeros(x.shape[:-1] + (slots,), x.dtype).at[..., rows].set(x)
+  return put_rows(whole, state, rows), Decoded(*map(spread, out[:4]), out.steps)
 
 
 def recompute(policy, params, state: DecodeState) -> DecodeState:

@@ -3,6 +3,7 @@ import json
 
 import yaml
 
+from jaxrl_hex import meshes
 from jaxrl_hex.planner.command import plan_main, simulate_main
 
 CLUSTER = """cluster:
@@ -109,3 +110,20 @@ def test_a_cpu_cluster_pinned_to_cores_plans_pinned_pools_and_a_written_plan_is_
     bad.write_text(f"cluster:\n  - {entry}\n")
     with pytest.raises(PlanError, match=match):
       allocate.load_cluster(bad)
+
+
+def test_a_70b_plan_splits_the_sequence_and_the_runtime_reads_it(tmp_path, capsys):
+  """Llama-3.1-70B's 17k-token rows fit a v5p train slice only with sequence parallelism: the
+  plan says so in plan.train and writes it as the train pool's rules, which the mesh loader applies."""
+  cluster = tmp_path / "cluster-v5p.yaml"
+  cluster.write_text("cluster:\n  - {type: v5p, count: 64}\n"
+                     "workload: {batch_size: 16, group_size: 4, prompt_len: 1024, "
+                     "output_len: {mean: 4096, max: 16384}, eta: 2}\n")
+  out = tmp_path / "plan.yaml"
+  assert plan_main(["--cluster", str(cluster), "--model", "llama3_70b", "--out", str(out)]) == 0
+  capsys.readouterr()
+  plan = yaml.safe_load(out.read_text())
+  assert plan["plan"]["train"]["sequence_parallel"] is True and plan["plan"]["train"]["remat"] == "full"
+  assert plan["pools"]["train"]["rules"] == {"length": "tensor"}
+  assert plan["pools"]["train"]["mesh"]["tensor"] > 1
+  assert meshes.load_mesh_file(str(out)).pools["train"].rules["length"] == ("tensor",)

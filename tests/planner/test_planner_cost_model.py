@@ -1,4 +1,6 @@
 """Cost model: real Qwen2 shapes, rooflines, memory feasibility and sync paths."""
+import dataclasses
+
 import pytest
 
 from jaxrl_hex.models.config import param_count
@@ -75,3 +77,22 @@ def test_workload_parsing_errors():
     cm.Workload.from_dict({"batch": 3})
   with pytest.raises(cm.PlanError, match="below mean"):
     cm.Workload.from_dict({"output_len": {"mean": 100, "max": 50}})
+
+
+def test_sequence_parallelism_where_a_mesh_does_not_fit_without_it():
+  m70 = cm.ModelCost.from_config(load_model("llama3_70b")[1])
+  plain, sp = cm.TrainLayout(1, 8, 4, "full"), cm.TrainLayout(1, 8, 4, "full", sequence_parallel=True)
+  # 70B at a 17k-token row on v5p-32: the residual stream the backward keeps splits over tensor
+  assert not cm.train_fits(m70, CAT["v5p"], plain, 17408) and cm.train_fits(m70, CAT["v5p"], sp, 17408)
+  assert cm.train_memory(m70, plain, 17408) - cm.train_memory(m70, sp, 17408) > 30e9
+  layouts = list(cm.train_layouts(m70, CAT["v5p"], 32, 17408, 512))
+  assert sp in layouts and all(x.sequence_parallel for x in layouts)
+  assert sp.rules() == {"length": "tensor"} and plain.rules() == {}
+  # sequence parallelism is the last resort (remat full) of a mesh that fits nothing else
+  m14 = cm.ModelCost.from_config(load_model("qwen2_14b")[1])
+  for m, dev, n in ((m70, "v5p", 32), (m14, "H100", 8), (m14, "v5p", 16)):
+    for x in cm.train_layouts(m, CAT[dev], n, 17408):
+      plain = [dataclasses.replace(x, remat=r, sequence_parallel=False) for r in cm.REMATS]
+      assert x.sequence_parallel == (x.tensor > 1 and not any(cm.train_fits(m, CAT[dev], p, 17408) for p in plain))
+      assert x.remat == "full" or not x.sequence_parallel
+  assert not list(cm.train_layouts(m70, CAT["H100"], 8, 17408))  # 70B + Adam state alone: 70 GB per H100

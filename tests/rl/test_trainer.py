@@ -1,10 +1,13 @@
 """The trainer end to end on the tiny model: layouts agree, steps update, state round-trips."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import load_config
 
+from jaxrl_hex import meshes
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl.advantages import ADVANTAGES, AdvantageInputs
@@ -99,6 +102,17 @@ def test_packed_and_micro_batched_equal_padded_loss_and_grads(setup, pools, over
   p_loss, p_grads = _trainer(setup, pools, ref=ref, **overrides, **packed).gradients(batch)
   assert abs(float(p_loss) - float(loss)) <= 1e-5 * abs(float(loss))
   assert _rel(p_grads, grads) <= 1e-5
+
+
+def test_sequence_parallel_train_pool_gives_the_same_loss_and_grads(setup, pools):
+  """rules {length: tensor}: packed rows' residual stream split over the sequence on the tensor devices."""
+  spec = pools["train"].spec
+  sp_pool = meshes.Pool(dataclasses.replace(spec, rules=dict(spec.rules, length=("tensor",))))
+  packed = {"algo.pack": True, "algo.pack_length": 32, "algo.micro_batch_tokens": 64}
+  loss, grads = _trainer(setup, pools, **packed).gradients(_batch())
+  s_loss, s_grads = _trainer(setup, {"train": sp_pool}, **packed).gradients(_batch())
+  assert abs(float(s_loss) - float(loss)) <= 1e-5 * abs(float(loss))
+  assert _rel(s_grads, grads) <= 1e-5
 
 
 def test_shared_prompt_rows_equal_padded_loss_and_grads(setup, pools):

@@ -9,9 +9,6 @@ import numpy as np
 import pytest
 from rollout.test_batching import CFG, assert_parity, make_engine, run
 
-from jaxrl_hex.config import base_config, validate_fields
-from jaxrl_hex.errors import UserError
-from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rollout.engine import Request
 
@@ -96,54 +93,16 @@ def test_a_pool_that_runs_dry_preempts_and_recomputes_without_loss(pools, weight
   assert_same(ring, mine)
   assert paged.preemptions > 0 and paged.blocks.held == 0
   assert_parity(policy, {0: params}, mine)
+  # calls ran on fewer slots than the engine's 8 (slots.decode's rows): 1 or 2 of each shard's 4
+  sizes = {key[3] for key in paged._fns if key[0] == "decode"}
+  assert sizes - {8} and sizes <= {2, 4, 8}
 
 
-def test_a_weight_switch_recomputes_the_paged_kv(pools, weights):
-  policy, old, new = weights
-  switch = lambda engine, i: i == 2 and engine.load_weights(1, new)
-  (_, ring), (paged, mine) = both(pools, policy, old, lambda: requests(n=2), slots=4, on_poll=switch)
-  assert_same(ring, mine)
-  assert any((s.versions == 0).any() and (s.versions == 1).any() for s in mine)  # switched mid-sequence
-  assert_parity(policy, {0: old, 1: new}, mine)
-
-
-@pytest.mark.parametrize("fields", [
-    dict(sliding_window=4, layer_types=("sliding", "sliding", "full"), rope_local_theta=100.0, n_layers=3),
-    dict(scan_layers=True),
-    dict(scan_layers=True, sliding_window=4, layer_types=("sliding", "full"), rope_local_theta=100.0),
-], ids=["sliding", "scan", "scan-mixed"])
-def test_sliding_window_mixed_and_scanned_layers(pools, fields):
-  cfg = model_config(**dict(
-      dict(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64, tie_embeddings=True),
-      **fields))
-  policy = Policy.build(cfg)
-  params = policy.init(0, pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes()))
-  (_, ring), (_, mine) = both(pools, policy, params, requests, slots=2, paged_slots=8, blocks=20)
-  assert_same(ring, mine)
-
-
-def test_bad_knobs_are_refused_by_name(pools, weights):
-  policy, _, _ = weights
-  with pytest.raises(UserError, match=r"rollout.kv_blocks=6 must be a multiple of pool 'rollout' batch axes \(2 "):
-    make_engine(pools, policy, kv_page_size=4, kv_blocks=6)
-  with pytest.raises(UserError, match=r"24 tokens = 6 blocks of rollout.kv_page_size=4; use kv_blocks >= 12"):
-    make_engine(pools, policy, kv_page_size=4, kv_blocks=8)
-  cfg = base_config()
-  cfg.rollout.kv_blocks = 64
-  with pytest.raises(UserError, match=r"rollout.kv_blocks=64 sizes a paged KV cache; set rollout.kv_page_size > 0"):
-    validate_fields(cfg)
-  cfg.rollout.kv_page_size = -1
-  with pytest.raises(UserError, match=r"rollout.kv_page_size=-1 .* must be >= 0"):
-    validate_fields(cfg)
-  engine = make_engine(pools, policy, slots=4, kv_page_size=4)  # default: the ring's memory, in blocks
-  assert engine.layout.blocks == 4 * 6 and engine.memory["kv_cache_bytes"] == 2 * 2 * 24 * 4 * 2 * 8 * 4
-
-
-def test_interrupt_finish_keeps_reserving_blocks_while_it_drains(pools, weights):
-  policy, old, new = weights
-  engine = make_engine(pools, policy, max_new_tokens=20, slots=8, kv_page_size=4, kv_blocks=20, interrupt="finish")
-  engine.load_weights(0, old)
-  samples = run(engine, requests(), on_poll=lambda i: i == 1 and engine.load_weights(1, new))
-  assert sorted((s.request_id, len(s.tokens)) for s in samples) == list(enumerate(BUDGETS))
-  assert engine.version == 1 and engine.blocks.held == 0
-  assert_parity(policy, {0: old, 1: new}, samples)
+def test_a_decode_call_runs_on_the_live_slots_of_each_shard(pools, weights):
+  policy, params, _ = weights
+  engine = make_engine(pools, policy, max_new_tokens=20, slots=16, kv_page_size=4)
+  assert engine._row_buckets() == [1, 2, 4, 8]  # per data shard: from an eighth of its 8 slots
+  engine._live[[1, 6, 9]] = True
+  assert engine._rows().tolist() == [1, 6, 9, 8]  # shard-major: 2 of each shard's 8, live first, then idle
+  engine._live[[0, 2, 3, 4]] = True  # shard 0: 5 live of 8, all its slots
+  assert engine._rows() is None
