@@ -1,9 +1,14 @@
 """Orbax checkpoints of a run: model, optimizer, policy version, data position and RNG.
 
 Orbax writes each step to a temporary directory and renames it when complete, so a run
-killed mid-save leaves only a step that latest_step() ignores: resume takes the previous one.
+killed mid-save leaves only a step that latest_step() ignores: resume takes the previous one. A
+step damaged after it was written (a truncated shard, garbage metadata) fails to restore; resume
+then says so in one line and takes the newest kept step that restores, and the steps after it
+move to checkpoints/superseded/, so the run's new saves do not collide with them.
 """
 import os
+import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -15,6 +20,15 @@ STATE_ITEMS = ("params", "opt_state", "ref_params", "critic")  # critic: {params
 
 class CheckpointError(UserError):
   pass
+
+
+class DamagedCheckpoint(CheckpointError):
+  """A step that is there but does not restore: files truncated or overwritten after the save."""
+
+  def __init__(self, step, what, cause):
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:160]
+    super().__init__(f"checkpoint {step} is damaged: {what} ({type(cause).__name__}: {first})")
+    self.step = step
 
 
 def _path(path) -> str:
@@ -47,13 +61,53 @@ class Checkpointer:
   def wait(self):
     self._mngr.wait_until_finished()
 
+  def steps(self) -> list:
+    return sorted(self._mngr.all_steps())
+
   def restore(self, like_state: dict, step=None, with_meta=True):
-    """Restores the items named in `like_state` onto its shardings (the live layout of this run)."""
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise CheckpointError(f"no checkpoint in {self.directory}; start the run without --resume "
-                            "(or point --workdir at a run that saved one)")
-    saved = self._mngr.item_metadata(step)
+    """Restores the items named in `like_state` onto its shardings (the live layout of this run)
+    -> (state, meta). `step` None: the newest step that restores, after a line on stderr for
+    each damaged newer one; a given step must restore."""
+    steps = self.steps()
+    if not steps:
+      raise CheckpointError(f"no checkpoint in {self.directory}: the run saved none yet; start it again without "
+                            "--resume, or point --workdir at a run that saved one")
+    if step is not None:
+      if step not in steps:
+        raise CheckpointError(f"--step={step}: no checkpoint {step} in {self.directory}; kept steps: {steps}")
+      return self._restore_step(like_state, step, with_meta)
+    damaged = []
+    for candidate in reversed(steps):
+      try:
+        out = self._restore_step(like_state, candidate, with_meta)
+      except DamagedCheckpoint as e:
+        damaged.append(candidate)
+        print(f"jaxrl-hex: {e}", file=sys.stderr)
+        continue
+      if damaged:
+        print(f"jaxrl-hex: resuming from checkpoint {candidate}, the newest intact one", file=sys.stderr)
+      return out
+    raise CheckpointError(f"every kept checkpoint in {self.directory} is damaged (steps {steps}); start the run "
+                          "again without --resume in a new --workdir")
+
+  def supersede(self, after: int) -> list:
+    """Moves the steps after `after` (a resume from an older one) to checkpoints/superseded/,
+    where the manager does not look -> the steps moved."""
+    later = [s for s in self.steps() if s > after]
+    if later:
+      self._mngr.wait_until_finished()
+      aside = os.path.join(self.directory, "superseded")
+      os.makedirs(aside, exist_ok=True)
+      for s in later:
+        shutil.move(os.path.join(self.directory, str(s)), os.path.join(aside, f"{s}-{os.getpid()}"))
+      self._mngr.reload()
+    return later
+
+  def _restore_step(self, like_state, step, with_meta):
+    try:
+      saved = self._mngr.item_metadata(step)
+    except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds; the message is what matters)
+      raise DamagedCheckpoint(step, "its metadata does not read", e) from None
     for name, tree in like_state.items():
       if saved.get(name) is None:
         raise CheckpointError(f"checkpoint {self.directory}/{step} has no '{name}'; it was saved by another "
@@ -62,7 +116,10 @@ class Checkpointer:
     items = {name: ocp.args.StandardRestore(_abstract(tree)) for name, tree in like_state.items()}
     if with_meta:
       items["meta"] = ocp.args.JsonRestore()
-    out = self._mngr.restore(step, args=ocp.args.Composite(**items))
+    try:
+      out = self._mngr.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # noqa: BLE001
+      raise DamagedCheckpoint(step, "it does not restore", e) from None
     return {name: out[name] for name in like_state}, (out["meta"] if with_meta else None)
 
   def _check_shapes(self, step, name, saved, like):

@@ -4,8 +4,12 @@ sides, run, summarise.
   jaxrl-hex train --config=configs/arith_grpo.py --config.train.steps=200 --workdir=runs/a
   jaxrl-hex train --workdir=runs/a --resume
 """
+import contextlib
 import json
 import os
+import signal
+import sys
+import threading
 import time
 
 import jax
@@ -14,11 +18,12 @@ from absl import logging as absl_logging
 from jaxrl_hex import arguments
 from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
 from jaxrl_hex.cluster import build_sides, check_config
-from jaxrl_hex.config import apply_overrides, load_config_file, resolve_path, write_run_config
+from jaxrl_hex.config import apply_overrides, load_config_file, read_run_config, resolve_path, write_run_config
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.gin_config import apply_gin
 from jaxrl_hex.meshes import prepare_cpu_devices
 from jaxrl_hex.metrics import Recorder
+from jaxrl_hex.models.families import EXECUTION_FIELDS
 from jaxrl_hex.models.hf import load_params
 from jaxrl_hex.orchestrator import Orchestrator
 from jaxrl_hex.runtime import build_runtime, load_mesh
@@ -33,13 +38,29 @@ DESCRIPTIONS = {
 
 
 def _prepare_workdir(cfg, workdir, resume):
+  """Checks the workdir against --resume; a new run's config.json is written here, a resumed
+  one's only once its state restored (a resume that fails leaves the run as it was)."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise UserError(f"--workdir={workdir} is a file; pass a directory (it is created if missing)")
   ckpt_dir = os.path.join(workdir, "checkpoints")
-  has_ckpt = os.path.isdir(ckpt_dir) and Checkpointer(ckpt_dir).latest_step() is not None
-  if resume and not has_ckpt:
+  latest = Checkpointer(ckpt_dir).latest_step() if os.path.isdir(ckpt_dir) else None
+  if resume and latest is None:
     raise CheckpointError(f"--resume: {workdir} has no checkpoint to resume from; drop --resume to start a new run")
-  if not resume and has_ckpt:
+  if not resume and latest is not None:
     raise CheckpointError(f"{workdir} already holds a run; pass --resume to continue it or pick another --workdir")
-  write_run_config(cfg, workdir)
+  step = cfg.train.get("resume_step", -1)
+  if resume and (latest if step < 0 else step) >= cfg.train.steps:
+    raise UserError(f"--resume: the run in {workdir} is done (checkpoint {latest if step < 0 else step}, "
+                    f"train.steps={cfg.train.steps}); raise --config.train.steps to train on")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    if not os.access(workdir, os.W_OK):
+      raise PermissionError(workdir)
+  except OSError as e:
+    raise UserError(f"--workdir={workdir} is not writable ({type(e).__name__}); pick a directory you can "
+                    "write") from None
+  if not resume:
+    write_run_config(cfg, workdir)
   return ckpt_dir
 
 
@@ -73,10 +94,15 @@ def train(cfg, workdir, resume=False):
   _prepare_workdir(cfg, workdir, resume)
   recorder = Recorder(workdir, append=resume, config=cfg)
   train_side, rollout_side = build_sides(rt, workdir, resume, recorder)
+  if resume:  # restored: the resumed run's config and metrics from the checkpoint's step on
+    write_run_config(cfg, workdir)
+    recorder.resume_at(train_side.version)
   try:
     write_cluster(workdir, train_side, rollout_side)
     rollout_side.on_restart = lambda: write_cluster(workdir, train_side, rollout_side)
-    summary = Orchestrator(rt, train_side, rollout_side, recorder).run()
+    orchestrator = Orchestrator(rt, train_side, rollout_side, recorder)
+    with stop_on_signals(orchestrator.request_stop, cfg.train.stop_deadline_s):
+      summary = orchestrator.run()
   finally:
     train_side.close()
     rollout_side.close()
@@ -88,12 +114,56 @@ def train(cfg, workdir, resume=False):
   return summary
 
 
+@contextlib.contextmanager
+def stop_on_signals(request_stop, deadline_s: float):
+  """SIGTERM (a preempted TPU or spot VM) and SIGINT ask the run to checkpoint and stop
+  (request_stop). If it has not stopped `deadline_s` later, or on a second signal, the process
+  ends at once with exit status 3: --resume then continues from the last checkpoint written."""
+  if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+    yield
+    return
+
+  def abandon(name):
+    print(
+        f"jaxrl-hex: error: {name}: the run did not checkpoint within train.stop_deadline_s={deadline_s:g}; "
+        "--resume continues from its last checkpoint", file=sys.stderr, flush=True)
+    os._exit(3)
+
+  def handle(signum, _frame):
+    name = signal.Signals(signum).name
+    if timers:
+      abandon(name)
+    request_stop(name)
+    timers.append(threading.Timer(deadline_s, abandon, (name,)))
+    timers[-1].daemon = True
+    timers[-1].start()
+
+  timers = []
+  previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for timer in timers:
+      timer.cancel()
+    for sig, old in previous.items():
+      signal.signal(sig, old)
+
+
 def parser(name: str) -> arguments.Parser:
   """The flags of train and sft; --config.SECTION.FIELD=VALUE overrides come on top."""
   p = arguments.Parser(f"jaxrl-hex {name}", DESCRIPTIONS[name])
-  p.add_argument("--config", default=DEFAULT_CONFIG, help="config file whose get_config() returns the run config")
+  p.add_argument("--config", default=None,
+                 help=f"config file whose get_config() returns the run config (default {DEFAULT_CONFIG})")
   p.add_argument("--workdir", default=None, help="run directory (default runs/<command>-<time>)")
-  p.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
+  p.add_argument(
+      "--resume", action="store_true",
+      help="continue the run in --workdir from its last intact checkpoint, with its saved config.json "
+      "and the --config.* flags given here on top")
+  if name == "train":
+    p.add_argument(
+        "--step", type=int, default=None,
+        help="with --resume: the checkpoint step to continue from (later ones move to "
+        "checkpoints/superseded/)")
   p.add_argument("--gin_file", action="append", default=[],
                  help="gin file binding config fields (SECTION.FIELD = VALUE); repeatable")
   p.add_argument("--gin_bindings", action="append", default=[],
@@ -119,30 +189,55 @@ def config_overrides(unparsed: list[str]) -> list[tuple[str, str]]:
 
 PLAN_WORKLOAD = (("batch_size", "prompts_per_step"), ("group_size", "group_size"))  # plan.workload -> rollout.*
 
+# What a resumed run cannot change: its checkpoint's shapes (model.*, but how the step runs and
+# computes) and its data and sampling streams.
+RESUME_FIXED = ("model", "task", "task_args", "seed")
+RESUME_FREE = set(EXECUTION_FIELDS) | {"dtype"}
+
+
+def _resume_config(args, overrides, use_gin):
+  """The run's saved config.json with this command line's --config.* flags (and gin) on top."""
+  if args.config is not None:
+    raise UserError(f"--resume continues {args.workdir} with its saved config.json; drop --config={args.config} "
+                    "and set the fields to change with --config.SECTION.FIELD=VALUE")
+  if not os.path.isfile(os.path.join(args.workdir, "config.json")):
+    raise CheckpointError(f"--resume: {args.workdir} has no run to resume from (no config.json); drop --resume to "
+                          "start a new run")
+  cfg = read_run_config(args.workdir, "--resume --workdir")
+  saved = cfg.to_dict()
+  apply_overrides(cfg, overrides)
+  if use_gin:
+    apply_gin(cfg, args.gin_file, args.gin_bindings)
+  for section in RESUME_FIXED:
+    now, was = cfg.to_dict()[section], saved[section]
+    if not isinstance(now, dict):
+      now, was = {"": now}, {"": was}
+    for key in sorted(set(now) | set(was)):
+      if key not in RESUME_FREE and now.get(key) != was.get(key):
+        field = f"{section}.{key}" if key else section
+        raise UserError(f"--config.{field}={now.get(key)!r}: {field} cannot change on resume (the run was saved "
+                        f"with {was.get(key)!r}); drop the flag, or start a new run in another --workdir")
+  cfg.train.resume_step = -1 if args.step is None else args.step
+  return cfg
+
 
 def _main(name, args, unparsed):
-  cfg = load_config_file(args.config)
   overrides = config_overrides(unparsed)
-  apply_overrides(cfg, overrides)
   use_gin = bool(args.gin_file or args.gin_bindings)
-  if use_gin:  # gin binds onto the same ConfigDict, after the --config.* overrides (it may name the mesh file)
-    apply_gin(cfg, args.gin_file, args.gin_bindings)
-  mesh_file = load_mesh(cfg)
-  # A plan's batch, remat and micro-batch are the run's, unless the user set the field (runtime.validate names it).
-  plan = {f"rollout.{field}": mesh_file.workload[key] for key, field in PLAN_WORKLOAD if mesh_file.workload}
-  plan.update(mesh_file.train_knobs)
-  overridden = {k for k, _ in overrides}
-  for field, value in plan.items():
-    if field not in overridden:
-      section, key = field.split(".")
-      cfg[section][key] = value
-  if plan and use_gin:  # gin bindings win over the plan too
-    apply_gin(cfg, args.gin_file, args.gin_bindings)
+  if args.resume and not args.workdir:
+    raise UserError("--resume needs --workdir=DIR, the run to continue")
+  if getattr(args, "step", None) is not None and not args.resume:
+    raise UserError(f"--step={args.step} picks the checkpoint --resume continues from; add --resume")
+  if args.resume and name == "train":
+    cfg = _resume_config(args, overrides, use_gin)
+    mesh_file = load_mesh(cfg)
+  else:
+    cfg = _new_config(args, overrides, use_gin)
+    mesh_file = load_mesh(cfg)
+    _apply_plan(cfg, mesh_file, overrides, args, use_gin)
   cfg.lock()  # fields can change, none can appear: a typo in code fails like one on the command line
   if name == "train":  # the backend against the mesh file (replica groups need Ray) before any device is touched
     check_config(cfg, mesh_file)
-  if args.resume and not args.workdir:
-    raise UserError("--resume needs --workdir=DIR, the run to continue")
   workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
   absl_logging.set_verbosity(absl_logging.WARNING)
   if os.environ.get("JAXRL_HEX_MULTIHOST"):  # set by `launch tpu`: the slice's hosts form one runtime
@@ -156,6 +251,28 @@ def _main(name, args, unparsed):
     print(f"held-out accuracy {before:.3f} -> {summary['eval_accuracy_end']:.3f} "
           f"(warm start -> end of RL), wall time {summary['wall_seconds']:.0f}s")
   print(f"workdir: {workdir}")
+
+
+def _new_config(args, overrides, use_gin):
+  cfg = load_config_file(DEFAULT_CONFIG if args.config is None else args.config)
+  apply_overrides(cfg, overrides)
+  if use_gin:  # gin binds onto the same ConfigDict, after the --config.* overrides (it may name the mesh file)
+    apply_gin(cfg, args.gin_file, args.gin_bindings)
+  return cfg
+
+
+def _apply_plan(cfg, mesh_file, overrides, args, use_gin):
+  """A plan's batch, remat and micro-batch become the run's, unless the user set the field
+  (runtime.validate names it). A resumed run has them in its saved config already."""
+  plan = {f"rollout.{field}": mesh_file.workload[key] for key, field in PLAN_WORKLOAD if mesh_file.workload}
+  plan.update(mesh_file.train_knobs)
+  overridden = {k for k, _ in overrides}
+  for field, value in plan.items():
+    if field not in overridden:
+      section, key = field.split(".")
+      cfg[section][key] = value
+  if plan and use_gin:  # gin bindings win over the plan too
+    apply_gin(cfg, args.gin_file, args.gin_bindings)
 
 
 def train_main(argv) -> int:

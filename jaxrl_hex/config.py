@@ -94,9 +94,16 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict(
       dict(steps=400, max_staleness=2, eval_every=50, eval_size=256, checkpoint_every=100, keep_checkpoints=2,
-           log_every=10))
+           log_every=10, max_nonfinite_steps=3, stop_deadline_s=120.0, watchdog_s=900.0,
+           resume_step=-1))  # resume_step: set by `train --resume --step=N` (-1: the newest intact)
+  # max_nonfinite_steps: steps in a row whose every update was skipped for a non-finite loss or gradient
+  # before the run stops (its checkpoints hold the last finite weights); stop_deadline_s: after SIGTERM or
+  # SIGINT, seconds for the step in flight and its checkpoint before the process exits regardless;
+  # watchdog_s: a run with no train step and no generated batch for this long stops (0: never)
 
-  c.sync = ml_collections.ConfigDict(dict(method="device_put", directory=""))  # "" = WORKDIR/sync
+  # directory "" = WORKDIR/sync; verify_every: check the rollout side's weights against the trainer's
+  # fingerprint (sync/fingerprint.py) on every N-th version (0: never)
+  c.sync = ml_collections.ConfigDict(dict(method="device_put", directory="", verify_every=20))
 
   c.cluster = ml_collections.ConfigDict(
       dict(
@@ -110,8 +117,41 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+# field -> (is the value usable, what it must be, what it means). Each of these fails late and far
+# from the field otherwise: a ZeroDivisionError mid-run, a grain traceback, a batch of nothing.
+FIELD_CHECKS = {
+    "train.steps": (lambda v: v >= 0, ">= 0", "RL steps after the warm start; 0 = the warm start only"),
+    "train.eval_every": (lambda v: v >= 1, ">= 1", "RL steps between evaluations; the last step always evaluates, "
+                         "so train.steps evaluates at the end only"),
+    "train.checkpoint_every": (lambda v: v >= 1, ">= 1", "RL steps between checkpoints; the last step always "
+                               "saves, so train.steps saves at the end only"),
+    "train.keep_checkpoints": (lambda v: v >= 1, ">= 1", "checkpoints kept on disk"),
+    "train.max_nonfinite_steps": (lambda v: v >= 1, ">= 1", "steps in a row with only non-finite updates that "
+                                  "stop the run"),
+    "train.stop_deadline_s": (lambda v: v > 0, "> 0", "seconds after SIGTERM for the step and its checkpoint"),
+    "train.watchdog_s": (lambda v: v >= 0, ">= 0", "seconds without progress that stop the run; 0 = never"),
+    "sync.verify_every": (lambda v: v >= 0, ">= 0", "versions between weight-sync checks; 0 = never"),
+    "optim.lr": (lambda v: v > 0, "> 0", "the RL peak learning rate"),
+    "sft.lr": (lambda v: v > 0, "> 0", "the warm start's peak learning rate"),
+    "sft.max_steps": (lambda v: v >= 0, ">= 0", "the warm start's step limit; it stops sooner at sft.target_accuracy"),
+    "sft.batch_size": (lambda v: v >= 1, ">= 1", "records per warm-start step"),
+    "sft.eval_every": (lambda v: v >= 1, ">= 1", "warm-start steps between evaluations"),
+    "rollout.prompts_per_step": (lambda v: v >= 1, ">= 1", "prompts in each RL batch"),
+    "rollout.group_size": (lambda v: v >= 1, ">= 1", "samples per prompt"),
+    "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1", "the longest completion in tokens"),
+    "rollout.max_prompt_len": (lambda v: v >= 1, ">= 1", "the longest prompt in tokens, BOS included"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]", "nucleus sampling's probability mass; 1.0 = off"),
+    "rollout.top_k": (lambda v: v >= 0, ">= 0", "sample among the k likeliest tokens; 0 = off"),
+    "rollout.min_p": (lambda v: 0 <= v < 1, "in [0, 1)", "drop tokens under min_p x the likeliest's probability; "
+                      "0 = off"),
+}
+
+
 def validate_fields(cfg, tokenizer=None):
   """Checks of single fields (the cross-layer ones are runtime.validate's); raises ConfigError."""
+  for field in FIELD_CHECKS:
+    section, key = field.split(".")
+    check_field(field, cfg[section][key])
   if cfg.train.max_staleness < 0:
     raise ConfigError("train.max_staleness must be >= 0 (0 = synchronous, on-policy RL)")
   check_paged_kv(cfg.rollout.kv_page_size, cfg.rollout.kv_blocks)
@@ -120,6 +160,21 @@ def validate_fields(cfg, tokenizer=None):
   if tokenizer is not None and cfg.model.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                       f"{tokenizer.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size} or more")
+
+
+def check_field(field: str, value, flag: str = ""):
+  """One FIELD_CHECKS field; `flag`: the command-line flag that set it when not --config.FIELD."""
+  ok, need, meaning = FIELD_CHECKS[field]
+  try:
+    if ok(value):
+      return
+  except TypeError:  # a config file's None or string where a number goes
+    pass
+  section, key = field.split(".")
+  default = base_config()[section][key]
+  if flag:
+    raise ConfigError(f"{flag}={value!r} must be {need} ({meaning}; it sets {field}), e.g. {flag}={default!r}")
+  raise ConfigError(f"{field}={value!r} must be {need} ({meaning}); e.g. --config.{field}={default!r} (the default)")
 
 
 def check_paged_kv(page_size: int, blocks: int):

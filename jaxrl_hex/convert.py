@@ -16,9 +16,14 @@ import jax
 from jaxrl_hex import arguments, meshes
 from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
 from jaxrl_hex.config import base_config, read_run_config, resolve_path, write_run_config
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.generate import saved_step
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.hf import hf_model_config, load_params, save_hf
 from jaxrl_hex.models.policy import Policy
+
+# Weight dtypes that both our models and Hugging Face loaders (transformers, vLLM) take
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _parser():
@@ -39,7 +44,10 @@ def from_hf(model_dir: str, out: str, dtype=None, mesh_file=None):
   if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
     raise CheckpointError(f"--out: {out} already holds checkpoints; pick an empty directory")
   model_dir = os.path.abspath(resolve_path(model_dir))
-  cfg = hf_model_config(model_dir, **({"param_dtype": dtype} if dtype else {}))
+  try:
+    cfg = hf_model_config(model_dir, **({"param_dtype": dtype} if dtype else {}))
+  except UserError as e:  # it names the directory; name the flag too
+    raise UserError(f"--from-hf: {e}") from None
   policy = Policy.build(cfg)
   if mesh_file:
     shardings = _train_pool(mesh_file).shardings_for(policy.logical_axes(), policy.shapes())
@@ -58,11 +66,12 @@ def from_hf(model_dir: str, out: str, dtype=None, mesh_file=None):
 
 def to_hf(workdir: str, out: str, dtype=None, step=None):
   run = read_run_config(workdir, "--to-hf")
+  ckpt_dir = saved_step(workdir, step, "--to-hf")
   cfg = model_config(**run.model)
   policy = Policy.build(cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   like = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), policy.shapes())
-  params = Checkpointer(os.path.join(workdir, "checkpoints")).restore({"params": like}, step, with_meta=False)[0]
+  params = Checkpointer(ckpt_dir).restore({"params": like}, step, with_meta=False)[0]
   source = resolve_path(run.model_dir) if run.model_dir else None
   save_hf(cfg, params["params"], out, source, dtype)
   print(f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}) loads it")
@@ -76,6 +85,11 @@ def _train_pool(mesh_file):
 
 
 def _convert(args):
+  if args.dtype is not None and args.dtype not in DTYPES:
+    raise UserError(f"--dtype={args.dtype!r} is not a weight dtype we convert to; use one of {', '.join(DTYPES)}, "
+                    "or drop --dtype to keep the stored one")
+  if args.from_hf and args.step is not None:
+    raise UserError(f"--step={args.step} picks the checkpoint --to-hf exports; --from-hf writes step 0, drop --step")
   if args.from_hf:
     from_hf(args.from_hf, args.out, args.dtype, args.mesh_file)
   else:

@@ -16,12 +16,13 @@ import jax
 
 from jaxrl_hex import arguments
 from jaxrl_hex.checkpoint import Checkpointer
-from jaxrl_hex.config import read_run_config
+from jaxrl_hex.config import FIELD_CHECKS, check_field, read_run_config
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import prepare_cpu_devices
 from jaxrl_hex.metrics import Progress
 from jaxrl_hex.rollout.engine import Engine, Request, engine_options
 from jaxrl_hex.runtime import build_runtime, load_mesh
+from jaxrl_hex.tasks import prompt_length
 
 FLAGS = {  # flag -> config.rollout field
     "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
@@ -44,9 +45,44 @@ def _parser():
   return ap
 
 
+def saved_step(workdir: str, step, field: str = "--workdir") -> str:
+  """The checkpoints/ of a run, after checking it holds a checkpoint (at `step`, when given); `field`
+  names the flag of the workdir in errors. Reads no weights."""
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  # Checkpointer creates a missing directory: a run without one has saved nothing
+  steps = Checkpointer(ckpt_dir).steps() if os.path.isdir(ckpt_dir) else []
+  if not steps:
+    raise UserError(f"{field}: {workdir} holds no checkpoint yet ({ckpt_dir} is empty or missing); point {field} "
+                    "at a train or sft run that saved one (sft saves at its end, train every train.checkpoint_every "
+                    "steps)")
+  if step is not None and step not in steps:
+    raise UserError(f"--step={step}: {workdir} has no checkpoint at step {step}; it has steps {steps}: pass one of "
+                    f"them, or drop --step for the latest ({steps[-1]})")
+  return ckpt_dir
+
+
+def _check_args(args):
+  """The flags on their own, before anything is read or built."""
+  if args.samples < 1:
+    raise UserError(f"--samples={args.samples} must be >= 1 (samples per prompt unless a line sets \"n\")")
+  for name in FLAGS:
+    value = getattr(args, name)
+    if value is not None and f"rollout.{name}" in FIELD_CHECKS:
+      check_field(f"rollout.{name}", value, "--" + name.replace("_", "-"))
+  if os.path.isdir(args.out):
+    raise UserError(f"--out={args.out} is a directory; name the JSONL file to write, e.g. "
+                    f"--out={os.path.join(args.out, 'samples.jsonl')}")
+  parent = os.path.dirname(os.path.abspath(args.out))
+  if not os.path.isdir(parent):  # else the samples are lost when the file is opened, after generating them all
+    raise UserError(f"--out={args.out}: directory {parent} does not exist; create it or write elsewhere")
+
+
 def _read_prompts(path, samples):
+  """-> [(line number, Request)]."""
   if not os.path.exists(path):
     raise UserError(f"--prompts: {path!r} does not exist")
+  if os.path.isdir(path):
+    raise UserError(f"--prompts: {path!r} is a directory; name a JSONL file, one {{\"prompt\": ...}} per line")
   requests = []
   with open(path) as f:
     for i, line in enumerate(f):
@@ -54,30 +90,69 @@ def _read_prompts(path, samples):
         continue
       try:
         row = json.loads(line)
-        requests.append(
-            Request(row["prompt"], n=int(row.get("n", samples)), max_tokens=row.get("max_tokens"),
-                    stop=tuple(row.get("stop", ())), id=row.get("id", i)))
-      except (ValueError, KeyError, TypeError) as e:
+        if not isinstance(row["prompt"], (str, list)):
+          raise TypeError(f"prompt is a {type(row['prompt']).__name__}")
+        request = Request(row["prompt"], n=int(row.get("n", samples)), max_tokens=row.get("max_tokens"),
+                          stop=tuple(row.get("stop", ())), id=row.get("id", i))
+      except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"--prompts: line {i + 1} of {path} is not {{\"prompt\": str, ...}} JSON ({e})") from None
+      if request.n < 1:
+        raise UserError(f"--prompts: line {i + 1} of {path} asks for n={request.n} samples; make it >= 1 or drop "
+                        "\"n\" (then --samples)")
+      requests.append((i + 1, request))
+  if not requests:
+    raise UserError(f"--prompts: {path} holds no prompts; write one {{\"prompt\": ...}} per line")
   return requests
 
 
+def _check_prompts(requests, path, rt, slots: int):
+  """Every prompt fits the model and the engine, before weights load or anything compiles (the engine
+  finds out only as it queues them)."""
+  r, m = rt.cfg.rollout, rt.cfg.model
+  lengths = []
+  for line, request in requests:
+    try:
+      n = prompt_length(rt.tokenizer, request.prompt)
+    except UserError as e:
+      raise UserError(f"--prompts: line {line} of {path}: {e}") from None
+    if n > m.max_seq_len:
+      raise UserError(f"--prompts: line {line} of {path} is {n} tokens (BOS included), longer than the model's "
+                      f"max_seq_len={m.max_seq_len} (model.max_seq_len, the positions it was built for); shorten it")
+    if request.n > slots:
+      ways = rt.mesh_file.pools["rollout"].batch_ways
+      raise UserError(f"--prompts: line {line} of {path} asks for {request.n} samples but the engine has {slots} "
+                      f"decode slots (rollout.slots); pass --slots={-(-request.n // ways) * ways} or ask for fewer")
+    lengths.append((n, line))
+  over = [(n, line) for n, line in lengths if n > r.max_prompt_len]
+  if over:
+    longest, line = max(over)
+    raise UserError(f"--prompts: {len(over)} of {len(lengths)} prompts in {path} are longer than "
+                    f"rollout.max_prompt_len={r.max_prompt_len} (line {line}: {longest} tokens, BOS included); "
+                    f"pass --max-prompt-len={longest} (the KV cache grows with it) or shorten them")
+
+
 def generate(args) -> dict:
+  _check_args(args)
   cfg = read_run_config(args.workdir)
+  ckpt_dir = saved_step(args.workdir, args.step)
   for name in FLAGS:
     if getattr(args, name) is not None:
       cfg.rollout[name] = getattr(args, name)
   cfg.rollout.stop = list(cfg.rollout.stop) + args.stop
+  lines = _read_prompts(args.prompts, args.samples)
+  requests = [request for _, request in lines]
   mesh_file = load_mesh(cfg)
   if mesh_file.platform == "cpu" and mesh_file.num_devices:
     prepare_cpu_devices(mesh_file.num_devices)
-  requests = _read_prompts(args.prompts, args.samples)
-  rt = build_runtime(cfg)
-  pool, r = rt.pools["rollout"], cfg.rollout
-  engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **engine_options(r))
+  rt = build_runtime(cfg, check_prompts=False)  # the task's prompts are not this command's
+  r = cfg.rollout
+  options = engine_options(r)
+  _check_prompts(lines, args.prompts, rt, options["slots"])
+  engine = Engine(rt.policy, rt.pools["rollout"], rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
+                  **options)
   like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), rt.policy.shapes(),
                       engine.param_shardings)
-  restored, meta = Checkpointer(os.path.join(args.workdir, "checkpoints")).restore({"params": like}, args.step)
+  restored, meta = Checkpointer(ckpt_dir).restore({"params": like}, args.step)
   engine.load_weights(int(meta.get("policy_version", 0)), restored["params"])
   engine.rng = jax.random.key(args.seed)
   engine.greedy = args.greedy

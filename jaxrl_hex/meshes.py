@@ -146,13 +146,30 @@ def load_mesh_file(path: str) -> MeshFile:
   if not os.path.exists(path):
     raise MeshError(
         f"mesh_file: {path!r} does not exist; pass --config.mesh_file=meshes/cpu-8.yaml or another file in meshes/")
+  if os.path.isdir(path):
+    raise MeshError(f"mesh_file: {path!r} is a directory; name a YAML file, e.g. --config.mesh_file=meshes/cpu-8.yaml")
   with open(path) as f:
-    raw = yaml.safe_load(f) or {}
+    try:
+      raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+      raise MeshError(f"{path}: not valid YAML ({_yaml_problem(e)}); correct it there (meshes/cpu-8.yaml shows "
+                      "the format)") from None
+  raw = {} if raw is None else raw
+  if not isinstance(raw, dict):
+    raise MeshError(f"{path}: the top level is a {type(raw).__name__}, not a mapping; a mesh file maps keys to values "
+                    "(platform: cpu, pools: {train: ..., rollout: ...}), as in meshes/cpu-8.yaml")
   pools_raw = raw.get("pools")
   if not isinstance(pools_raw, dict) or not pools_raw:
     raise MeshError(f"{path}: needs a 'pools:' mapping with 'train' and 'rollout' entries")
   pools, next_id = {}, 0
   for name, p in pools_raw.items():
+    if not isinstance(p, dict):
+      raise MeshError(f"{path}: pools.{name} is a {type(p).__name__}, not a mapping; give it devices and mesh, "
+                      "e.g. {devices: 4, mesh: {data: 4}}")
+    mesh = p.get("mesh") or {}
+    if not isinstance(mesh, dict) or not all(type(v) is int and v >= 1 for v in mesh.values()):
+      raise MeshError(f"{path}: pools.{name}.mesh must map mesh axes to positive sizes, e.g. {{fsdp: 2, tensor: 2}}, "
+                      f"not {mesh!r}")
     devices = p.get("devices")
     if isinstance(devices, int):
       ids = tuple(range(next_id, next_id + devices))
@@ -190,6 +207,13 @@ def load_mesh_file(path: str) -> MeshFile:
                     "share_devices: true (one accelerator: both pools on it, weights held twice)")
   return MeshFile(path, raw.get("platform", "cpu"), num_devices, pools, _plan_workload(path, raw.get("plan")),
                   _plan_train_knobs(path, raw.get("plan")))
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+  """PyYAML's multi-line report as one clause: what is wrong and where (1-based, as editors count)."""
+  mark = getattr(e, "problem_mark", None)
+  what = " ".join(str(getattr(e, "problem", None) or e).split())
+  return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
 
 
 def _plan_workload(path, plan) -> dict | None:

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -35,6 +36,7 @@ class Recorder:
   def __init__(self, workdir: str, append: bool = False, config=None):
     """`config` (the run config) switches the sinks: log.tensorboard, log.wandb_project."""
     os.makedirs(workdir, exist_ok=True)
+    self.workdir = workdir
     log = config.get("log", {}) if config is not None else {}
     self._wandb = _start_wandb(workdir, config, append) if log.get("wandb_project") else None
     self._tb = None
@@ -46,6 +48,20 @@ class Recorder:
     self._spans = _open_append(os.path.join(workdir, "spans.jsonl"), truncate=not append)
     self._lock = threading.Lock()
     self.t0 = time.time()
+
+  def resume_at(self, step: int):
+    """A run resumed from its checkpoint at `step`: the train rows the stopped run wrote after it
+    go (the resumed run writes them again), so metrics.jsonl keeps one row per step."""
+    with self._lock:
+      path = self._metrics.name
+      self._metrics.close()
+      with open(path) as f:
+        rows = [line for line in f if line.strip()]
+      keep = [line for line in rows if not _after(json.loads(line), step)]
+      with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+      os.replace(path + ".tmp", path)
+      self._metrics = open(path, "a")
 
   def log(self, row: dict):
     """One step's figures; `phase` (sft, warmstart, train) prefixes the TensorBoard tags."""
@@ -82,6 +98,17 @@ class Recorder:
       self._tb.close()
     if self._wandb is not None:
       self._wandb.finish()
+
+
+def thread_stacks() -> str:
+  """Every thread's stack in this process, as text (what the watchdog writes when a run stalls)."""
+  names = {t.ident: t.name for t in threading.enumerate()}
+  return "\n".join(f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
+                   for ident, frame in sys._current_frames().items())
+
+
+def _after(row: dict, step: int) -> bool:
+  return row.get("phase") == "train" and row.get("step", 0) > step
 
 
 def tb_values(row: dict):

@@ -8,6 +8,8 @@ Rollout runs in this process's threads (one per rollout replica) and only drives
 side; the trainer loop drives the train side. Where the pools actually compute (device subsets
 here, or Ray actors with their own runtimes) is the sides' business (jaxrl_hex/cluster).
 """
+import os
+import sys
 import threading
 import time
 
@@ -15,8 +17,9 @@ import numpy as np
 
 from jaxrl_hex.data.prompts import PromptStream
 from jaxrl_hex.data.rollouts import decode_completions
+from jaxrl_hex.errors import RunStopped
 from jaxrl_hex.evaluation import score
-from jaxrl_hex.metrics import Progress
+from jaxrl_hex.metrics import Progress, thread_stacks
 from jaxrl_hex.rl.batch import rl_batch
 from jaxrl_hex.rl.buffer import Buffer, Closed, Item
 from jaxrl_hex.rl.dynamic import GroupFilter
@@ -40,6 +43,17 @@ class Orchestrator:
     self._handle = None  # newest published weights; a rollout started after admit(k) sees >= k - eta
     self._stop = threading.Event()
     self._stream_lock = threading.Lock()  # dynamic sampling draws prompts from rollout threads too
+    self.stop_reason = None  # set by request_stop (a signal): checkpoint at the next step boundary, then stop
+    self._progress_at = time.time()  # the last train step done or batch generated (the watchdog's clock)
+    self._doing = "starting"  # what the train loop waits on, for the watchdog's line
+    self._stalled = False
+    self._finished = threading.Event()
+
+  def request_stop(self, reason: str):
+    """Asks the train loop to stop: the step in flight finishes (a wait for a batch ends at once),
+    a checkpoint of it is written and run() raises RunStopped saying how to resume. Safe to call
+    from a signal handler: it only sets a field the loop polls."""
+    self.stop_reason = reason
 
   # ---- rollout side -------------------------------------------------------------------------
   def _rollout_loop(self):
@@ -109,6 +123,7 @@ class Orchestrator:
       self.recorder.span("rollout", "reward", t1, t2, batch=k)
       stats = {"rollout_tokens_per_s": rollout.num_tokens / max(t1 - t0, 1e-9), **routed, **stats}
       self.buffer.put(Item(k, rollout, data_state, stats))
+      self._progress_at = time.time()
     except Closed:
       pass
     except BaseException as e:
@@ -133,33 +148,58 @@ class Orchestrator:
         "eval_accuracy": acc_start,
         "wall_s": time.time() - self.recorder.t0
     }
-    self.recorder.log(first)
+    if start_step == 0:  # a resumed run's step start_step has its row already; its next row says it resumed
+      self.recorder.log(first)
     progress.update(start_step, first)
     thread = threading.Thread(target=self._rollout_loop, name="rollout", daemon=True)
     thread.start()
-    acc = acc_start
+    if cfg.train.watchdog_s > 0:
+      self._progress_at = time.time()
+      threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+    acc, nonfinite, saved, item = acc_start, 0, start_step, None
     try:
       for step in range(start_step, self.total_steps):
         t0 = time.time()
-        item, staleness = self.buffer.take()
+        self._doing = f"waiting for batch {step} from the rollout side"
+        taken = self._take()
+        if taken is None:
+          break
+        item, staleness = taken
+        self._doing = f"in train step {step + 1}"
         row = self._train_on(item, staleness, step, t0)
+        self._progress_at = time.time()
+        nonfinite = nonfinite + 1 if row.get("nonfinite_updates", 0) >= cfg.algo.minibatches else 0
+        if nonfinite >= cfg.train.max_nonfinite_steps:
+          self.recorder.log(dict(row, wall_s=time.time() - self.recorder.t0))
+          raise RunStopped(f"train step {step + 1}: {nonfinite} steps in a row had a non-finite loss or gradient "
+                           f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}), so their updates were "
+                           "skipped and the checkpoints hold the last finite weights; lower --config.optim.lr or "
+                           "check the reward, then continue with --resume")
         if (step + 1) % cfg.train.eval_every == 0 or step + 1 == self.total_steps:
           acc = row["eval_accuracy"] = self._eval()
         if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == self.total_steps:
-          train.save({
-              "phase": "train",
-              "policy_version": train.version,
-              "next_batch": item.batch_index + 1,
-              "data_state": item.data_state,
-              "seed": cfg.seed
-          })
+          self._save(item)
+          saved = train.version
         row["wall_s"] = time.time() - self.recorder.t0
+        if step == start_step > 0:
+          row["resumed_from"] = start_step
         self.recorder.log(row)
         progress.update(step + 1, row)
+        if self.stop_reason:
+          break
     finally:
       self._stop.set()
       self.buffer.close()
-      thread.join()
+      thread.join(timeout=10.0 if self._stalled else None)  # a stuck rollout thread stays behind (daemon)
+      self.scorer.close()
+      self._finished.set()
+    if self.stop_reason:
+      if train.version > saved:  # the steps since the last checkpoint are kept too
+        self._save(item)
+        saved = train.version
+      raise RunStopped(f"stopped by {self.stop_reason} at step {train.version} (checkpoint {saved} written); "
+                       "continue with the same command and --resume"
+                       if saved else f"stopped by {self.stop_reason} before any checkpoint; start the run again")
     seconds = time.time() - t_start
     summary = {
         "steps": self.total_steps - start_step,
@@ -174,6 +214,50 @@ class Orchestrator:
       progress.close(f"train: eval accuracy {acc_start:.3f} -> {acc:.3f} over "
                      f"{summary['steps']} RL steps in {seconds:.0f}s")
     return summary
+
+  def _watch(self):
+    """The watchdog: once neither side has made progress (a train step, a generated batch) for
+    train.watchdog_s, every thread's stack (and each Ray worker's) goes to WORKDIR/stacks.txt and
+    the run stops like on a signal, naming what it waited on; a train loop stuck inside a step
+    cannot stop, so 60 s later the process ends with exit status 3."""
+    limit = self.cfg.train.watchdog_s
+    while not self._stop.wait(min(1.0, limit / 4)):
+      idle = time.time() - self._progress_at
+      if idle < limit:
+        continue
+      path = os.path.join(self.recorder.workdir, "stacks.txt")
+      with open(path, "w") as f:
+        f.write(f"# no progress for {idle:.0f}s; the train loop: {self._doing}\n\n# driver\n{thread_stacks()}")
+        for name, text in {**self.train.stacks(), **self.rollout.stacks()}.items():
+          f.write(f"\n# {name}\n{text}")
+      self._stalled = True
+      self.stop_reason = (f"the watchdog: no train step or rollout batch for {idle:.0f}s (train.watchdog_s="
+                          f"{limit:g}) while {self._doing}; every thread's stack is in {path}")
+      if not self._finished.wait(60.0):
+        print(
+            f"jaxrl-hex: error: stopped by {self.stop_reason}; the train loop did not stop, so no checkpoint "
+            "was written: --resume continues from the last one", file=sys.stderr, flush=True)
+        os._exit(3)
+      return
+
+  def _take(self):
+    """The next batch and its staleness (Buffer.take), or None once a stop was requested."""
+    while self.stop_reason is None:
+      try:
+        return self.buffer.take(timeout=0.25)
+      except TimeoutError:
+        continue
+    return None
+
+  def _save(self, item):
+    """A checkpoint of the trainer after the step that trained `item`."""
+    self.train.save({
+        "phase": "train",
+        "policy_version": self.train.version,
+        "next_batch": item.batch_index + 1,
+        "data_state": item.data_state,
+        "seed": self.cfg.seed
+    })
 
   def _train_on(self, item, staleness, step, t_wait):
     """A train step on a batch from Buffer.take, with its samples' staleness [N] -> the metrics row."""

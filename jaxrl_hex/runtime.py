@@ -122,13 +122,15 @@ def load_mesh(cfg) -> meshes.MeshFile:
   return meshes.load_mesh_file(resolve_path(cfg.mesh_file))
 
 
-def build_runtime(cfg, own_runtime=False, replica=None) -> Runtime:
-  """replica: a Ray rollout worker's index into the rollout pool's replica_specs() (its layout)."""
+def build_runtime(cfg, own_runtime=False, replica=None, check_prompts=True) -> Runtime:
+  """replica: a Ray rollout worker's index into the rollout pool's replica_specs() (its layout).
+  check_prompts: the task's prompts against rollout.max_prompt_len (generate brings its own)."""
   mesh_file = load_mesh(cfg)
+  validate_fields(cfg)  # before the task and the model load (seconds for a real one); validate() repeats it
   if cfg.get("model_dir"):  # the architecture is the checkpoint's config.json; precision stays the run's
     with cfg.unlocked():
       cfg.model = hf_model_config(resolve_path(cfg.model_dir), dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-  task = load_task(cfg.task, cfg)
+  task = load_task(cfg.task, cfg, check_prompts)
   if cfg.model.vocab_size == 0:  # "auto": the task tokenizer's size, rounded up so it shards
     with cfg.unlocked():
       cfg.model.vocab_size = -(-task.tokenizer.vocab_size // 8) * 8

@@ -20,7 +20,8 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
   pool = rt.pool("train")
   trainer = Trainer(rt.policy, pool, make_optimizer(s, s.max_steps), sft_loss, params)
   stream = PromptStream(rt.task.train, s.batch_size, seed=rt.cfg.seed)
-  engine = Engine(rt.policy, pool, rt.tokenizer, rt.cfg.rollout.max_new_tokens)
+  engine = Engine(rt.policy, pool, rt.tokenizer, rt.cfg.rollout.max_new_tokens,
+                  max_prompt_len=rt.cfg.rollout.max_prompt_len)  # the task's prompts were checked against it
   scorer = RewardScorer(rt.task, rt.cfg.rollout.reward_timeout_s)
   eval_records = list(rt.task.eval[:s.eval_size])
   progress = Progress(phase, s.max_steps, rt.cfg.train.log_every)
@@ -47,6 +48,7 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
   if checkpointer is not None:
     checkpointer.save(step, trainer.state(), {"phase": phase, "step": step, "eval_accuracy": accuracy})
     checkpointer.wait()
+  scorer.close()
   summary = {
       "steps": step,
       "eval_accuracy_start": start_accuracy,

@@ -14,6 +14,13 @@ from jaxrl_hex.errors import UserError
 
 def load_module(where: str, field: str):
   """A module by import path, or a .py file run as a fresh module named after its path."""
+  if not where:
+    raise UserError(f"{field} is empty; name a file (path/to/file.py) or a module on the Python path")
+  if not where.endswith(".py") and ("/" in where or os.sep in where):
+    # a path, never an import path: say what it should be rather than Python's "No module named"
+    hint = f"did you mean {where}.py? " if os.path.isfile(where + ".py") else ""
+    raise UserError(f"{field}: {where!r} is not a .py file; {hint}name a Python file (path/to/file.py) or a module "
+                    "on the Python path")
   if where.endswith(".py"):
     if not os.path.isfile(where):
       raise UserError(f"{field}: file {where!r} does not exist; check the path (relative paths start at the "
@@ -25,7 +32,7 @@ def load_module(where: str, field: str):
     return module
   try:
     return importlib.import_module(where)
-  except ImportError as e:
+  except (ImportError, ValueError, TypeError) as e:  # ValueError, TypeError: names like '.x' or 'a..b'
     raise UserError(f"{field}: cannot import {where!r} ({e}); name a module on the Python path or a .py file") from None
 
 

@@ -62,3 +62,46 @@ def test_keeps_the_last_k(pools, tmp_path):
     ckpt.save(step, state, {})
   ckpt.wait()
   assert sorted(int(p) for p in os.listdir(tmp_path) if p.isdigit()) == [2, 3]
+
+
+# orbax's failed read of a truncated shard leaves a callback for its closed event loop
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", ["truncated shard", "garbage metadata"])
+def test_a_damaged_step_is_named_in_one_line_and_the_newest_intact_one_restored(pools, tmp_path, capsys, damage):
+  state = _state(pools)
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(3, state, {"policy_version": 3})
+  ckpt.save(6, state, {"policy_version": 6})
+  ckpt.close()
+  if damage == "truncated shard":
+    for f in (tmp_path / "6" / "params").rglob("d/*"):
+      f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+  else:
+    (tmp_path / "6" / "params" / "_METADATA").write_text("garbage{")
+  reopened = Checkpointer(str(tmp_path))
+  restored, meta = reopened.restore(_state(pools, seed=1))
+  assert meta["policy_version"] == 3
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 2 and err[0].startswith("jaxrl-hex: checkpoint 6 is damaged: ")
+  assert err[1] == "jaxrl-hex: resuming from checkpoint 3, the newest intact one"
+  with pytest.raises(CheckpointError, match=r"^checkpoint 6 is damaged: ") as e:
+    reopened.restore(_state(pools, seed=1), step=6)  # a step asked for by name: no fallback
+  assert "\n" not in str(e.value)
+  assert reopened.supersede(3) == [6] and reopened.steps() == [3]
+  assert [p.name.split("-")[0] for p in (tmp_path / "superseded").iterdir()] == ["6"]
+  reopened.save(6, state, {"policy_version": 6})  # the run's next save of that step does not collide
+  assert reopened.steps() == [3, 6]
+  reopened.close()
+
+
+def test_every_kept_step_damaged_is_one_line(pools, tmp_path):
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(2, _state(pools), {})
+  ckpt.close()
+  (tmp_path / "2" / "meta" / "metadata").write_text("{")
+  reopened = Checkpointer(str(tmp_path))
+  with pytest.raises(CheckpointError, match=r"every kept checkpoint in .* is damaged \(steps \[2\]\)"):
+    reopened.restore(_state(pools))
+  reopened.close()

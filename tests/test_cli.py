@@ -1,4 +1,5 @@
 """The command line as a user meets it: one-line errors for bad input, user tasks, resume."""
+import json
 import os
 import signal
 import subprocess
@@ -51,7 +52,7 @@ def test_missing_task_file_and_function(capsys, tmp_path):
 
 def test_resume_on_an_empty_workdir(capsys, tmp_path):
   err = _error(capsys, ["train", f"--workdir={tmp_path}", "--resume"])
-  assert "has no checkpoint to resume from" in err
+  assert "has no run to resume from (no config.json); drop --resume" in err
 
 
 def test_user_task_file_plugs_in_through_the_cli(capsys, tmp_path):
@@ -95,11 +96,11 @@ def test_kill_and_resume_continues_with_the_same_batches_and_losses(tmp_path, wa
 
   cmd, env = _cli(tmp_path / "killed", init, "--resume")
   subprocess.run(cmd, env=env, check=True, cwd=ROOT, capture_output=True)
-  rows = read_jsonl(tmp_path / "killed" / "metrics.jsonl")
-  resumed_from = [r for r in rows if r["phase"] == "train" and "loss" not in r][-1]["step"]
-  assert resumed_from in (3, 6)
-  resumed = [r for r in rows if r["phase"] == "train" and "loss" in r][-(9 - resumed_from):]
-  for r in resumed:
+  rows = [r for r in read_jsonl(tmp_path / "killed" / "metrics.jsonl") if r["phase"] == "train"]
+  assert [r["step"] for r in rows] == list(range(10))  # one row per step: the killed run's later ones went
+  resumed_from = next(r["resumed_from"] for r in rows if "resumed_from" in r)
+  assert resumed_from in (3, 6) and rows[resumed_from + 1]["resumed_from"] == resumed_from
+  for r in rows[resumed_from + 1:]:
     want = whole[r["step"]]
     assert r["batch"] == want["batch"] and r["policy_version"] == want["policy_version"]
     # GRPO's loss is ~0 (advantages cancel within a group): compare it at fp32 rounding of its
@@ -107,6 +108,88 @@ def test_kill_and_resume_continues_with_the_same_batches_and_losses(tmp_path, wa
     assert r["loss"] == pytest.approx(want["loss"], abs=1e-6)
     assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert r["reward_mean"] == want["reward_mean"]
+
+
+def test_sigterm_checkpoints_the_step_in_flight_and_resume_finishes_it(tmp_path, warm_workdir):
+  """A preempted VM's SIGTERM: the run writes a checkpoint of its last step (none was due) and
+  exits 3 with the resume line; --resume trains every remaining batch once."""
+  workdir = tmp_path / "preempted"
+  cmd, env = _cli(workdir, f"--config.init_from={warm_workdir}", "--config.train.checkpoint_every=100")
+  proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
+  while proc.poll() is None and time.time() < deadline and (not metrics.exists() or sum(
+      '"loss"' in line for line in metrics.read_text().splitlines()) < 2):
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  err = proc.communicate(timeout=300)[1].strip().splitlines()
+  assert proc.returncode == 3, err
+  stopped = int(err[-1].split(" at step ")[1].split()[0])
+  assert f"stopped by SIGTERM at step {stopped} (checkpoint {stopped} written)" in err[-1] and "--resume" in err[-1]
+  assert 2 <= stopped < 9 and (workdir / "checkpoints" / str(stopped)).is_dir()
+  subprocess.run(
+      _cli(workdir, f"--config.init_from={warm_workdir}", "--resume")[0], env=env, check=True, cwd=ROOT,
+      capture_output=True)
+  rows = [r for r in read_jsonl(metrics) if r["phase"] == "train" and "loss" in r]
+  assert [r["step"] for r in rows] == list(range(1, 10)) and [r["batch"] for r in rows] == list(range(9))
+  prompts = [p for r in rows for p in r["prompt_ids"]]
+  assert len(prompts) == len(set(prompts))  # every prompt trained once
+
+
+def _train(workdir, *flags):
+  return cli.main(["train", f"--workdir={workdir}", *flags])
+
+
+def test_resume_continues_with_the_saved_config_and_refuses_what_cannot_change(capsys, tmp_path, warm_workdir):
+  workdir = tmp_path / "run"
+  first = [
+      *SMALL_FLAGS, f"--config.init_from={warm_workdir}", "--config.train.steps=2", "--config.train.eval_every=2",
+      "--config.train.checkpoint_every=2", "--config.rollout.temperature=0.9"
+  ]
+  assert _train(workdir, *first) == 0
+  saved, summary = (workdir / "config.json").read_text(), (workdir / "summary.json").read_text()
+  # a finished run, a field the checkpoint fixes, --config with --resume: one line each, nothing rewritten
+  assert "is done (checkpoint 2, train.steps=2); raise --config.train.steps" in _error(
+      capsys, ["train", f"--workdir={workdir}", "--resume"])
+  d_model = json.loads(saved)["model"]["d_model"]
+  err = _error(capsys, ["train", f"--workdir={workdir}", "--resume", f"--config.model.d_model={2 * d_model}"])
+  assert f"model.d_model cannot change on resume (the run was saved with {d_model})" in err
+  assert "drop --config=configs/grpo.py" in _error(
+      capsys, ["train", f"--workdir={workdir}", "--resume", "--config=configs/grpo.py", "--config.train.steps=4"])
+  assert "add --resume" in _error(capsys, ["train", f"--workdir={workdir}", "--step=2"])
+  assert (workdir / "config.json").read_text() == saved and (workdir / "summary.json").read_text() == summary
+  capsys.readouterr()
+  # only the flags given on the resume line change: steps, not the saved temperature or batch
+  assert _train(workdir, "--resume", "--config.train.steps=4", "--config.train.checkpoint_every=2") == 0
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["train"]["steps"] == 4 and config["rollout"]["temperature"] == 0.9
+  assert config["rollout"]["prompts_per_step"] == SMALL["rollout.prompts_per_step"]
+  assert json.loads((workdir / "summary.json").read_text())["steps"] == 2
+  rows = [r for r in read_jsonl(workdir / "metrics.jsonl") if r["phase"] == "train"]
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[3]["resumed_from"] == 2
+
+  # a damaged newest checkpoint: one line, the older one resumed, the damaged one moved aside
+  (workdir / "checkpoints" / "4" / "meta" / "metadata").write_text("garbage{")
+  capsys.readouterr()
+  assert _train(workdir, "--resume", "--config.train.steps=5") == 0
+  err = capsys.readouterr().err
+  assert "checkpoint 4 is damaged: it does not restore (JSONDecodeError" in err and "Traceback" not in err
+  assert "resuming from checkpoint 2, the newest intact one" in err
+  assert [p.name.split("-")[0] for p in (workdir / "checkpoints" / "superseded").iterdir()] == ["4"]
+  rows = [r for r in read_jsonl(workdir / "metrics.jsonl") if r["phase"] == "train"]
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5] and rows[3]["resumed_from"] == 2
+  assert "--step=3: no checkpoint 3" in _error(
+      capsys, ["train", f"--workdir={workdir}", "--resume", "--step=3", "--config.train.steps=9"])
+
+
+def test_a_diverging_run_skips_non_finite_updates_and_stops_in_one_line(capsys, tmp_path, warm_workdir):
+  workdir = tmp_path / "diverge"
+  code = _train(workdir, *SMALL_FLAGS, f"--config.init_from={warm_workdir}", "--config.optim.lr=1e30",
+                "--config.optim.warmup_steps=0", "--config.optim.grad_clip=1e30", "--config.train.steps=8",
+                "--config.train.max_nonfinite_steps=2")
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 3 and len(err) == 1 and "steps in a row had a non-finite loss or gradient" in err[0], err
+  rows = [r for r in read_jsonl(workdir / "metrics.jsonl") if r["phase"] == "train" and "loss" in r]
+  assert [r["nonfinite_updates"] for r in rows][-2:] == [1.0, 1.0] and rows[-1]["step"] < 8
 
 
 def test_every_command_shares_help_errors_and_exit_codes(capsys):

@@ -1,10 +1,12 @@
 import json
 import os
+import threading
 
 import pytest
 from support import SMALL, load_config
 
 from jaxrl_hex import commands
+from jaxrl_hex.errors import RunStopped
 from jaxrl_hex.metrics import read_jsonl
 
 REQUIRED = {
@@ -51,3 +53,43 @@ def test_run_with_orbax_weight_sync(tmp_path, warm_workdir, method):
   assert [r["policy_version"] for r in rows[1:]] == [1, 2, 3, 4]
   assert all(r["sync_seconds"] > 0 for r in rows[1:])
   assert sorted(os.listdir(os.path.join(workdir, "sync"))) == ["v00000002", "v00000003", "v00000004"]
+
+
+def test_a_stuck_rollout_trips_the_watchdog_which_writes_stacks_and_stops_with_a_checkpoint(
+    tmp_path, warm_workdir, monkeypatch):
+  """Batch 3's generation never returns (the injected fault): the watchdog writes every thread's
+  stack and stops the run, which checkpoints its last trained step for --resume."""
+  from jaxrl_hex.cluster.local import LocalRolloutSide
+  generate, stuck = LocalRolloutSide.generate, threading.Event()
+
+  def hangs_at_batch_3(self, records, group_size, seed, batch_index, handle):
+    if batch_index >= 3:
+      stuck.wait()  # never set: a hung engine call
+    return generate(self, records, group_size, seed, batch_index, handle)
+
+  monkeypatch.setattr(LocalRolloutSide, "generate", hangs_at_batch_3)
+  with pytest.raises(RunStopped) as e:
+    _run(tmp_path, warm_workdir, **{"train.steps": 8, "train.max_staleness": 0, "train.watchdog_s": 10.0})
+  message = str(e.value)
+  assert "stopped by the watchdog: no train step or rollout batch for" in message
+  assert "while waiting for batch 3 from the rollout side" in message and "at step 3 (checkpoint 3 written)" in message
+  stacks = (tmp_path / "run" / "stacks.txt").read_text()
+  assert "thread rollout-3:" in stacks and "hangs_at_batch_3" in stacks
+  assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+
+
+def test_a_corrupted_weight_sync_stops_the_run_naming_the_version_and_leaf(tmp_path, warm_workdir, monkeypatch):
+  """A transfer that garbles one leaf from version 2 on (the injected fault) is caught by the
+  fingerprint check on the rollout side; untouched versions pass it."""
+  from jaxrl_hex.sync.device_put import DevicePutSync
+  receive = DevicePutSync.receive
+
+  def corrupting(self, handle):
+    version, params = receive(self, handle)
+    if version >= 2:
+      params = dict(params, embed=params["embed"].at[0, 0].add(1e3))
+    return version, params
+
+  monkeypatch.setattr(DevicePutSync, "receive", corrupting)
+  with pytest.raises(RunStopped, match=r"weight sync of version 2: leaf \['embed'\] differs on the rollout side"):
+    _run(tmp_path, warm_workdir, **{"train.steps": 6, "train.max_staleness": 0, "sync.verify_every": 1})

@@ -15,6 +15,7 @@ from jaxrl_hex.rollout.engine import Engine, engine_options
 from jaxrl_hex.rollout.stream import ChunkStream
 from jaxrl_hex.sft import run_sft
 from jaxrl_hex.sync import make_sync
+from jaxrl_hex.sync.fingerprint import check, fingerprint
 
 ADVANCE_MAX_S = 1.0  # longest a fleet replica's call runs without news (weights arrive beside it)
 
@@ -52,8 +53,11 @@ class LocalTrainSide:
     self.trainer = Trainer(rt.policy, rt.pool("train"), make_optimizer(cfg.optim, updates),
                            make_rl_loss(cfg.algo, cfg.rollout.temperature), params, ref_params=ref)
     if resume:
-      restored, self.meta = self.checkpointer.restore(self._state())
+      step = cfg.train.get("resume_step", -1)
+      restored, self.meta = self.checkpointer.restore(self._state(), None if step < 0 else step)
       self.trainer.load_state(restored, self.meta["policy_version"])
+      if jax.process_index() == 0:  # later steps (damaged, or past --step) would collide with the new saves
+        self.checkpointer.supersede(self.meta["policy_version"])
 
   @property
   def version(self) -> int:
@@ -66,7 +70,12 @@ class LocalTrainSide:
     return self.trainer.step(batch)
 
   def publish(self):
-    return self.sync.publish(*self.trainer.weights())
+    return self.sync.publish(*self.trainer.weights())._replace(fingerprint=self.fingerprint())
+
+  def fingerprint(self):
+    """The published params' sync.fingerprint on versions sync.verify_every says to check, else None."""
+    every = self.rt.cfg.sync.verify_every
+    return fingerprint(self.trainer.params) if every and self.trainer.version % every == 0 else None
 
   @property
   def sync_seconds(self) -> float:
@@ -77,6 +86,9 @@ class LocalTrainSide:
 
   def describe(self) -> dict:
     return dict(self.rt.pool("train").describe(), processes=[{"pid": os.getpid(), "host": os.uname().nodename}])
+
+  def stacks(self) -> dict:
+    return {}  # its threads are the driver's (metrics.thread_stacks)
 
   def close(self):
     self.checkpointer.close()
@@ -123,7 +135,7 @@ class LocalRolloutSide:
     handle = self._offered
     if handle is not None and handle.version > self.engine.version:
       start = time.time()
-      weights = self.sync.receive(handle)
+      weights = self._receive(handle)
       self.receives.append((start, time.time()))
       return weights
     return None
@@ -132,9 +144,16 @@ class LocalRolloutSide:
     """Loads `handle`'s weights into `engine` unless it has them or newer; -> (start, end) or None."""
     if handle.version > engine.version:
       start = time.time()
-      engine.load_weights(*self.sync.receive(handle))
+      engine.load_weights(*self._receive(handle))
       return start, time.time()
     return None
+
+  def _receive(self, handle):
+    """(version, params) of `handle` in this runtime's layout, checked against its fingerprint."""
+    version, params = self.sync.receive(handle)
+    if handle.fingerprint is not None:
+      check(handle.fingerprint, params, version)
+    return version, params
 
   def generate(self, records, group_size, seed, batch_index, handle):
     """-> (Rollout, receive span or None, {} (one runtime: no per-replica figures)). Weights are at
@@ -175,6 +194,9 @@ class LocalRolloutSide:
 
   def describe(self) -> dict:
     return dict(self.rt.pool("rollout").describe(), processes=[{"pid": os.getpid(), "host": os.uname().nodename}])
+
+  def stacks(self) -> dict:
+    return {}
 
   def close(self):
     pass

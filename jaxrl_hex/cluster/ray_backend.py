@@ -165,10 +165,10 @@ class RayTrainSide:
     return metrics
 
   def publish(self):
-    results = self._all("publish")
-    self.sync_seconds = max(seconds for _, seconds in results)
+    results = self._all("publish")  # per process: (handle or manifest piece, seconds, fingerprint or None)
+    self.sync_seconds = max(seconds for _, seconds, _ in results)
     if self.method == "direct":
-      return merge_manifests(self.version, [piece for piece, _ in results])
+      return merge_manifests(self.version, [piece for piece, _, _ in results])._replace(fingerprint=results[0][2])
     return results[0][0]
 
   def save(self, meta):
@@ -176,6 +176,9 @@ class RayTrainSide:
 
   def describe(self) -> dict:
     return {"role": "train", "backend": "ray", "mesh": self.mesh, "processes": self._all("describe")}
+
+  def stacks(self) -> dict:
+    return worker_stacks(self._ray, {f"train process {i}": w for i, w in enumerate(self.workers)})
 
   def close(self):
     if not self.lost:  # else the survivors may hang in a collective: killing them is the close
@@ -185,6 +188,19 @@ class RayTrainSide:
         pass
     for w in self.workers:
       self._ray.kill(w)
+
+
+def worker_stacks(ray, workers: dict, timeout_s=10.0) -> dict:
+  """{name: every thread's stack} of Ray workers (the watchdog's report); an actor busy in a call
+  that never returns cannot answer, and that is what its entry says."""
+  refs = {name: w.stacks.remote() for name, w in workers.items()}
+  out = {}
+  for name, ref in refs.items():
+    try:
+      out[name] = ray.get(ref, timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 -- a dead or busy actor: say which
+      out[name] = f"no answer within {timeout_s:g}s ({type(e).__name__}): busy in a call, or gone"
+  return out
 
 
 def _group_options(spec, platform) -> dict:
@@ -471,6 +487,9 @@ class RayRolloutSide:
     """The fraction of the replica's decode slot-steps that generated a token."""
     d = self.decoded[replica]
     return d["tokens"] / d["slot_steps"] if d["slot_steps"] else None
+
+  def stacks(self) -> dict:
+    return worker_stacks(self._ray, {f"rollout replica {i}": w for i, w in enumerate(list(self.workers))})
 
   def describe(self) -> dict:
     """Every replica group with its replicas' processes (pid, host, devices, layout, device type)."""

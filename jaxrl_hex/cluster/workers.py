@@ -9,7 +9,7 @@ from jax.experimental import multihost_utils
 
 from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide, sync_directory
 from jaxrl_hex.config import config_from_json
-from jaxrl_hex.metrics import Recorder
+from jaxrl_hex.metrics import Recorder, thread_stacks
 from jaxrl_hex.planner.catalog import load_catalog
 from jaxrl_hex.runtime import build_runtime, load_mesh
 from jaxrl_hex.sync import make_sync
@@ -82,7 +82,7 @@ class TrainWorker:
     spec = mesh_file.pools["train"]
     _start_jax(mesh_file.platform,
                len(spec.device_ids) // spec.processes, spec.affinity, coordinator, self.num_processes, self.process_id)
-    rt = build_runtime(cfg, own_runtime=True)
+    rt = build_runtime(cfg, own_runtime=True, check_prompts=False)  # the driver checked them
     recorder = Recorder(self.workdir, append=True) if self.process_id == 0 else _NullRecorder()
     self.sync = make_sync(cfg.sync.method, rt.policy.shapes(), None, sync_directory(cfg, self.workdir))
     self.side = LocalTrainSide(rt, self.workdir, self.resume, recorder, self.sync)
@@ -94,14 +94,18 @@ class TrainWorker:
   def publish(self):
     """orbax: every process writes its shards, -> Handle; direct: this process's manifest piece."""
     if self.side.rt.cfg.sync.method == "direct":
-      return self.sync.publish_local(self.side.trainer.params), self.sync.last_seconds
-    return self.side.publish(), self.sync.last_seconds
+      return self.sync.publish_local(self.side.trainer.params), self.sync.last_seconds, self.side.fingerprint()
+    handle = self.side.publish()
+    return handle, self.sync.last_seconds, handle.fingerprint
 
   def save(self, meta):
     self.side.save(meta)
 
   def describe(self) -> dict:
     return _describe(self.process_id)
+
+  def stacks(self) -> str:
+    return thread_stacks()
 
   def fetch_params(self):
     """The whole params on the host (every process gathers): for checks and exports of small models."""
@@ -125,7 +129,7 @@ class RolloutWorker:
     mesh_file = load_mesh(cfg)
     spec = mesh_file.pools["rollout"].replica_specs()[replica]
     _start_jax(accelerator_kind(spec.device_type, mesh_file.platform), len(spec.device_ids), spec.affinity)
-    rt = build_runtime(cfg, own_runtime=True, replica=replica)
+    rt = build_runtime(cfg, own_runtime=True, replica=replica, check_prompts=False)
     sync = make_sync(cfg.sync.method, rt.policy.shapes(), rt.shardings("rollout"), sync_directory(cfg, workdir))
     self.side = LocalRolloutSide(rt, sync)
     self.side.warmup()  # before ready: a fresh or replacement replica never compiles mid-batch
@@ -152,6 +156,9 @@ class RolloutWorker:
       held = sum(s.data.nbytes for leaf in jax.tree.leaves(engine.params) for s in leaf.addressable_shards)
     return dict(out, seconds=time.perf_counter() - t0, compile_s=engine.compile_seconds - compiled, receive_bytes=held,
                 version=engine.version)
+
+  def stacks(self) -> str:
+    return thread_stacks()
 
   def describe(self) -> dict:
     pool = self.side.rt.pool("rollout")

@@ -205,11 +205,17 @@ def _update(objective, models, tx, critic_tx, params, opt_state, critic_params, 
             version, num_seqs):
   loss, (grads, critic_grads), metrics = _accumulate(objective, models, params, critic_params, rows, data, m, version,
                                                      num_seqs)
-  updates, opt_state = tx.update(grads, opt_state, params)
-  params = optax.apply_updates(params, updates)
+  # a non-finite loss or gradient (a NaN reward got past its check, an overflow) skips the update:
+  # params and optimizer state stay as they were, and the step counts it (nonfinite_updates)
+  finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  params, opt_state = keep((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
   if critic_tx is not None:
-    critic_updates, critic_opt_state = critic_tx.update(critic_grads, critic_opt_state, critic_params)
-    critic_params = optax.apply_updates(critic_params, critic_updates)
+    critic_updates, new_critic_opt_state = critic_tx.update(critic_grads, critic_opt_state, critic_params)
+    critic_params, critic_opt_state = keep((optax.apply_updates(critic_params, critic_updates), new_critic_opt_state),
+                                           (critic_params, critic_opt_state))
   minibatches = rows.tokens.shape[0]
-  metrics = dict(metrics, loss=loss / minibatches, grad_norm=optax.tree.norm(grads) / minibatches)
+  metrics = dict(metrics, loss=loss / minibatches, grad_norm=optax.tree.norm(grads) / minibatches,
+                 nonfinite_updates=1.0 - finite.astype(jnp.float32))
   return params, opt_state, critic_params, critic_opt_state, metrics

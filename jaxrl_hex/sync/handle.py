@@ -7,6 +7,7 @@ import jax
 class Handle(typing.NamedTuple):
   version: int
   payload: typing.Any = None  # orbax: directory of the version; direct: shard manifest
+  fingerprint: typing.Any = None  # sync.fingerprint of the published params, on versions it is checked
 
 
 def target_structs(shapes, shardings):

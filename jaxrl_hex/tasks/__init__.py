@@ -45,12 +45,39 @@ class Task:
 BUILTIN = {"arith": "jaxrl_hex.tasks.arithmetic:make_task"}
 
 
-def load_task(spec: str, config) -> Task:
-  """spec: a built-in name, 'module.path:fn', or 'path/to/file.py:fn'."""
+def load_task(spec: str, config, check_prompts: bool = False) -> Task:
+  """spec: a built-in name, 'module.path:fn', or 'path/to/file.py:fn'. check_prompts: every prompt
+  the run will generate from fits config.rollout.max_prompt_len (check_prompt_lengths)."""
   spec = BUILTIN.get(spec, spec)
   if ":" not in spec:
     raise TaskError(f"task: {spec!r} is neither a built-in task {sorted(BUILTIN)} nor 'path/to/file.py:make_task'")
   task = load_object(spec, "task")(config)
   if not isinstance(task, Task):
     raise TaskError(f"task: {spec} returned {type(task).__name__}, not jaxrl_hex.tasks.Task")
+  if check_prompts:
+    check_prompt_lengths(task, config.rollout.max_prompt_len, max(config.train.eval_size, config.sft.eval_size))
   return task
+
+
+def prompt_length(tokenizer, prompt) -> int:
+  """Tokens the rollout engine holds for a prompt (rollout.engine.Engine.submit): BOS and the text's
+  tokens, or the token ids as given."""
+  return 1 + len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+
+
+def check_prompt_lengths(task: Task, max_prompt_len: int, eval_size: int):
+  """Every prompt the engine will see (the train split, the eval split's first eval_size) fits
+  rollout.max_prompt_len. The engine refuses a longer one only when its batch comes up, which may be
+  hours into a run, so all are measured as the task loads."""
+  too_long, longest = [], 0
+  for split, records in (("train", task.train), ("eval", task.eval[:eval_size])):
+    lengths = [prompt_length(task.tokenizer, r["prompt"]) for r in records]
+    over = sum(n > max_prompt_len for n in lengths)
+    if over:
+      too_long.append(f"{over} of {len(lengths)} {split} prompts")
+      longest = max(longest, *lengths)
+  if too_long:
+    raise TaskError(f"rollout.max_prompt_len={max_prompt_len}: {' and '.join(too_long)} of task {task.name!r} are "
+                    f"longer (up to {longest} tokens, BOS included); raise it, e.g. "
+                    f"--config.rollout.max_prompt_len={longest} (the KV cache grows with it), or leave the long "
+                    "records out of the task")

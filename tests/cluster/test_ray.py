@@ -157,10 +157,11 @@ def test_killed_rollout_process_is_replaced_and_no_prompt_is_lost_or_repeated(wa
     assert r["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])
 
 
-def test_killed_trainer_stops_the_run_and_resume_finishes_it_exactly(warm_workdir, tmp_path):
+def test_killed_trainer_and_sigterm_stop_the_run_and_resume_finishes_it_exactly(warm_workdir, tmp_path):
   """A lost train process stops the run with a one-line message (its peers cannot go on alone);
-  --resume restarts the whole cluster from the last checkpoint and every batch of the finished
-  run holds exactly the prompts an undisturbed stream hands out."""
+  --resume restarts the whole cluster from the last checkpoint. A SIGTERM to the resumed run
+  (a preempted VM) checkpoints its last step and exits 3; a second --resume finishes, and every
+  batch holds exactly the prompts an undisturbed stream hands out, each trained once."""
   workdir = tmp_path / "run"
   steps = 10
   cmd = [
@@ -170,36 +171,59 @@ def test_killed_trainer_stops_the_run_and_resume_finishes_it_exactly(warm_workdi
       *[f"--config.{k}={v}" for k, v in SMALL.items()]
   ]
   env = dict(os.environ, JAXRL_HEX_QUIET="1")
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   metrics = workdir / "metrics.jsonl"
-  killed = None
-  deadline = time.time() + 600
-  while proc.poll() is None and time.time() < deadline:
-    done = [r for r in read_jsonl(metrics) if r.get("phase") == "train"] if metrics.exists() else []
+  trained = lambda: [r for r in read_jsonl(metrics)
+                     if r.get("phase") == "train" and "prompt_ids" in r] if metrics.exists() else []
+
+  def run_until(extra, fault):
+    """Runs cmd + extra, calling fault() every 0.2 s until it returns True -> (exit status, output)."""
+    proc = subprocess.Popen(cmd + extra, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    done, deadline = False, time.time() + 600
+    while proc.poll() is None and time.time() < deadline:
+      done = done or fault(proc)
+      time.sleep(0.2)
+    assert done, "the run finished before its fault"
+    return proc.returncode, proc.communicate()[0].decode()
+
+  def kill_a_train_process(_):
     # mid-run, once a checkpoint is complete (saves are asynchronous: one in flight is lost)
-    if killed is None and len(done) >= 4 and (workdir / "checkpoints" / "2").exists():
-      killed = json.load(open(workdir / "cluster.json"))["train"]["processes"][1]["pid"]
-      os.kill(killed, signal.SIGKILL)
-    time.sleep(0.2)
-  out = proc.communicate()[0].decode()
-  assert killed is not None
-  assert proc.returncode == 3, out[-3000:]
+    if len(trained()) >= 4 and (workdir / "checkpoints" / "2").exists():
+      os.kill(json.load(open(workdir / "cluster.json"))["train"]["processes"][1]["pid"], signal.SIGKILL)
+      return True
+    return False
+
+  code, out = run_until([], kill_a_train_process)
+  assert code == 3, out[-3000:]
   assert "a train process was lost" in out and "--resume" in out and "Traceback" not in out
-  stopped_at = len([r for r in read_jsonl(metrics) if r.get("phase") == "train" and "prompt_ids" in r])
-  assert stopped_at < steps
+  assert len(trained()) < steps
+
+  resumed_at = []
+
+  def sigterm(proc):
+    rows = trained()
+    if not resumed_at and any("resumed_from" in r for r in rows):
+      resumed_at.append(len(rows))
+    if resumed_at and len(rows) >= resumed_at[0] + 1:
+      proc.send_signal(signal.SIGTERM)
+      return True
+    return False
+
+  code, out = run_until(["--resume"], sigterm)
+  assert code == 3 and "stopped by SIGTERM at step" in out and "Traceback" not in out, out[-3000:]
+  stopped = int(out.split("stopped by SIGTERM at step ")[1].split()[0])
+  assert (workdir / "checkpoints" / str(stopped)).is_dir() and stopped < steps
 
   resumed = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True)
   assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-  rows = [r for r in read_jsonl(metrics) if r.get("phase") == "train" and "prompt_ids" in r]
-  first_resumed = rows[stopped_at]["batch"]
-  assert first_resumed % 2 == 0 and 0 < first_resumed <= stopped_at  # from the last checkpoint
-  assert [r["batch"] for r in rows[stopped_at:]] == list(range(first_resumed, steps))
-  final = {r["batch"]: r for r in rows}  # a batch trained twice counts once: the resumed run's
+  rows = trained()
+  assert [r["batch"] for r in rows] == list(range(steps))  # one row per step, the resumed runs' after theirs
+  starts = [r["resumed_from"] for r in rows if "resumed_from" in r]
+  assert len(starts) == 2 and starts[0] % 2 == 0 and starts[1] == stopped
   from jaxrl_hex.data.prompts import PromptStream
   stream = PromptStream(build_runtime(load_config(**SMALL)).task.train, SMALL["rollout.prompts_per_step"], seed=0)
-  for b in range(steps):
-    assert final[b]["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])
-  assert json.load(open(workdir / "summary.json"))["steps"] == steps - first_resumed
+  for r in rows:
+    assert r["prompt_ids"] == sorted(rec["index"] for rec in stream.next()[0])
+  assert json.load(open(workdir / "summary.json"))["steps"] == steps - stopped
 
 
 MIXED_MESH = os.path.join(ROOT, "meshes", "cpu-mixed.yaml")

@@ -115,6 +115,21 @@ def test_sequence_parallel_train_pool_gives_the_same_loss_and_grads(setup, pools
   assert _rel(s_grads, grads) <= 1e-5
 
 
+def test_a_non_finite_loss_skips_the_update_and_counts_it(setup, pools):
+  trainer = _trainer(setup, pools)
+  before = jax.tree.map(np.asarray, trainer.state())
+  bad = _batch()
+  bad.rewards[:4] = np.nan  # one group: its advantages, so the loss
+  m = trainer.step(bad)
+  assert m["nonfinite_updates"] == 1.0 and trainer.version == 1
+  for a, b in zip(jax.tree.leaves(trainer.state()), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  assert trainer.step(_batch())["nonfinite_updates"] == 0.0  # a finite batch updates again (Adam's moments;
+  assert not all(
+      np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trainer.state()["opt_state"]),
+                                           jax.tree.leaves(before["opt_state"])))  # lr warms up from 0)
+
+
 def test_shared_prompt_rows_equal_padded_loss_and_grads(setup, pools):
   """Each group's prompt computed once, its completions attending to it, gives the padded result."""
   batch = _batch()
