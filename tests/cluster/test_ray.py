@@ -43,7 +43,8 @@ def _ray_cfg(warm_workdir, **extra):
       })
 
 
-@pytest.mark.parametrize("method", ["orbax", "direct"])
+# orbax through the same two-process trainer is slow-marked (50 s): tests/sync covers its resharding in-process
+@pytest.mark.parametrize("method", [pytest.param("orbax", marks=pytest.mark.slow), "direct"])
 def test_two_process_trainer_matches_one_process_and_sync_preserves_values(ray_session, warm_workdir, tmp_path, method):
   cfg = _ray_cfg(warm_workdir, **{"sync.method": method})
   rt = build_runtime(cfg)
@@ -352,6 +353,8 @@ def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers
     recorder.close()
 
 
+# 50 s: slow-marked; test_killed_rollout_process_is_replaced_and_no_prompt_is_lost_or_repeated is its one-group form
+@pytest.mark.slow
 def test_killed_replica_of_either_group_loses_and_repeats_no_prompt(warm_workdir, tmp_path):
   """On the mixed fleet, a replica of each group is killed mid-run: each is replaced with its own
   layout, its chunk goes back to the router, and every batch holds its prompts exactly once."""
