@@ -102,8 +102,11 @@ def base_config() -> ml_collections.ConfigDict:
   # watchdog_s: a run with no train step and no generated batch for this long stops (0: never)
 
   # directory "" = WORKDIR/sync; verify_every: check the rollout side's weights against the trainer's
-  # fingerprint (sync/fingerprint.py) on every N-th version (0: never)
-  c.sync = ml_collections.ConfigDict(dict(method="device_put", directory="", verify_every=20))
+  # fingerprint (sync/fingerprint.py) on every N-th version (0: never); probe_every: on every N-th version
+  # (and at the start) the engines and the trainer score one fixed sequence, which must agree within
+  # probe_tolerance nats per token (sync/probe.py; 0: never)
+  c.sync = ml_collections.ConfigDict(
+      dict(method="device_put", directory="", verify_every=20, probe_every=50, probe_tolerance=0.02))
 
   c.cluster = ml_collections.ConfigDict(
       dict(
@@ -131,6 +134,8 @@ FIELD_CHECKS = {
     "train.stop_deadline_s": (lambda v: v > 0, "> 0", "seconds after SIGTERM for the step and its checkpoint"),
     "train.watchdog_s": (lambda v: v >= 0, ">= 0", "seconds without progress that stop the run; 0 = never"),
     "sync.verify_every": (lambda v: v >= 0, ">= 0", "versions between weight-sync checks; 0 = never"),
+    "sync.probe_every": (lambda v: v >= 0, ">= 0", "versions between logprob probes; 0 = never"),
+    "sync.probe_tolerance": (lambda v: v > 0, "> 0", "the largest per-token logprob gap (nats) the probe allows"),
     "optim.lr": (lambda v: v > 0, "> 0", "the RL peak learning rate"),
     "sft.lr": (lambda v: v > 0, "> 0", "the warm start's peak learning rate"),
     "sft.max_steps": (lambda v: v >= 0, ">= 0", "the warm start's step limit; it stops sooner at sft.target_accuracy"),

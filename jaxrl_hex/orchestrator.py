@@ -23,6 +23,7 @@ from jaxrl_hex.metrics import Progress, thread_stacks
 from jaxrl_hex.rl.batch import rl_batch
 from jaxrl_hex.rl.buffer import Buffer, Closed, Item
 from jaxrl_hex.rl.dynamic import GroupFilter
+from jaxrl_hex.sync.probe import check as check_probe
 from jaxrl_hex.tasks.scoring import RewardScorer
 
 
@@ -40,6 +41,7 @@ class Orchestrator:
       self.stream.set_state(meta["data_state"])
     self.scorer = RewardScorer(rt.task, cfg.rollout.reward_timeout_s)
     self.eval_records = list(rt.task.eval[:cfg.train.eval_size])
+    self.probe_prompt = (rt.task.eval or rt.task.train)[0]["prompt"]  # the fixed sequence of sync/probe.py
     self._handle = None  # newest published weights; a rollout started after admit(k) sees >= k - eta
     self._stop = threading.Event()
     self._stream_lock = threading.Lock()  # dynamic sampling draws prompts from rollout threads too
@@ -137,6 +139,7 @@ class Orchestrator:
     cfg, train = self.cfg, self.train
     start_step = train.version
     self._handle = train.publish()
+    self._probe()  # a wrong engine shows before any step
     progress = Progress(progress_title, self.total_steps, cfg.train.log_every)
     progress.last["start_step"] = start_step
     t_start = time.time()
@@ -271,6 +274,8 @@ class Orchestrator:
     self.buffer.advance(train.version)
     self.recorder.span("train", "step", t0, t1, step=step)
     self.recorder.span("train", "sync", t1, t2, version=train.version)
+    if self.cfg.sync.probe_every and train.version % self.cfg.sync.probe_every == 0:
+      m = dict(m, probe_gap=self._probe())
     values, counts = np.unique(staleness, return_counts=True)
     return dict(m, phase="train", step=step + 1, policy_version=train.version, batch=item.batch_index,
                 prompt_ids=sorted({int(g) for g in ro.group_ids}), staleness_mean=float(staleness.mean()),
@@ -278,6 +283,26 @@ class Orchestrator:
                     int(v): int(c) for v, c in zip(values, counts)
                 }, wait_seconds=t0 - t_wait, sync_seconds=train.sync_seconds, reward_errors=self.scorer.errors,
                 rollout_restarts=self.rollout.restarts, **item.stats)
+
+  def _probe(self) -> float | None:
+    """The weight-sync probe (sync/probe.py) of the newest weights on every rollout replica -> the
+    largest logprob gap; a gap over sync.probe_tolerance stops the run. Between a publish and the
+    next step, so the trainer holds the version the engines decode with."""
+    if not self.cfg.sync.probe_every:
+      return None
+    t0, gaps = time.time(), []
+    for probe in self.rollout.probe(self.probe_prompt, self._handle):
+      if probe["version"] != self.train.version:
+        continue  # a replica already past it (cannot happen between a publish and a step)
+      ro = probe["rollout"]
+      mask = ro.completion_mask[0]
+      engine_logp, trainer_logp = ro.behaviour_logprobs[0][mask], self.train.score(ro)[0][mask]
+      theirs = probe["fingerprint"]
+      gaps.append(
+          check_probe(self.train.version, engine_logp, trainer_logp, self.cfg.sync.probe_tolerance,
+                      lambda theirs=theirs: (self.train.fingerprint(always=True), theirs)))
+    self.recorder.span("train", "probe", t0, time.time(), version=self.train.version)
+    return max(gaps, default=None)
 
   def _eval(self):
     """Greedy accuracy of the newest published weights, generated on the rollout side."""

@@ -18,6 +18,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault("JAXRL_HEX_QUIET", "1")
 
+import filelock  # noqa: E402
 import pytest  # noqa: E402
 from support import ROOT, SMALL, load_config  # noqa: E402
 
@@ -31,18 +32,34 @@ def pools():
 
 @pytest.fixture(scope="session")
 def warm_workdir(tmp_path_factory):
-  """An SFT run that the RL tests start from (init_from), so they skip the warm start."""
+  """An SFT run that the RL tests start from (init_from), so they skip the warm start. Under
+  pytest-xdist the workers of one session share it: the first to ask runs it, the rest wait."""
   from jaxrl_hex import commands
-  workdir = str(tmp_path_factory.mktemp("warm"))
-  cfg = load_config(**SMALL, **{"sft.max_steps": 240, "sft.target_accuracy": 0.2})
-  commands.sft(cfg, workdir)
-  return workdir
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's, never an older one's
+  workdir = root / "warm"
+  with filelock.FileLock(str(root / "warm.lock")):
+    if not (workdir / "done").exists():
+      shutil.rmtree(workdir, ignore_errors=True)  # a worker that died half-way
+      cfg = load_config(**SMALL, **{"sft.max_steps": 240, "sft.target_accuracy": 0.2})
+      commands.sft(cfg, str(workdir))
+      (workdir / "done").touch()
+  return str(workdir)
 
 
 @pytest.fixture(scope="session")
 def ray_session():
-  """One local Ray for the whole session (starting one takes seconds)."""
+  """One local Ray for the session (starting one takes seconds); under pytest-xdist the tests
+  that use it run on one worker (pytest_collection_modifyitems), which starts it."""
   import ray
   if not ray.is_initialized():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
   yield ray
+
+
+def pytest_collection_modifyitems(items):
+  """Under `pytest -n N --dist loadgroup` the tests of one in-process Ray session share a worker
+  (tests that start Ray in a subprocess of their own go anywhere)."""
+  for item in items:
+    if "ray_session" in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.xdist_group("ray"))

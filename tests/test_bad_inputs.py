@@ -50,6 +50,8 @@ CASES = [
     ("stop_deadline_s=0", "train --config.train.stop_deadline_s=0", "train.stop_deadline_s=0.0 must be > 0"),
     ("watchdog_s<0", "train --config.train.watchdog_s=-1", "train.watchdog_s=-1.0 must be >= 0"),
     ("verify_every<0", "train --config.sync.verify_every=-1", "sync.verify_every=-1 must be >= 0"),
+    ("probe_every<0", "train --config.sync.probe_every=-1", "sync.probe_every=-1 must be >= 0"),
+    ("probe_tolerance=0", "train --config.sync.probe_tolerance=0.0", "sync.probe_tolerance=0.0 must be > 0"),
     ("step without resume", "train --step=3", "--step=3 picks the checkpoint --resume continues from; add --resume"),
     # the command line and the config file
     ("unknown key", "train --config.train.stepz=3", "unknown config key 'train.stepz'"),

@@ -93,3 +93,25 @@ def test_a_corrupted_weight_sync_stops_the_run_naming_the_version_and_leaf(tmp_p
   monkeypatch.setattr(DevicePutSync, "receive", corrupting)
   with pytest.raises(RunStopped, match=r"weight sync of version 2: leaf \['embed'\] differs on the rollout side"):
     _run(tmp_path, warm_workdir, **{"train.steps": 6, "train.max_staleness": 0, "sync.verify_every": 1})
+
+
+def test_the_logprob_probe_catches_what_the_fingerprint_is_not_asked_to(tmp_path, warm_workdir, monkeypatch):
+  """With no fingerprint checks, a transfer that scales one leaf from version 2 on is caught by the
+  logprob probe at version 2, which names the leaf; versions 0 and 1 pass it with a gap of fp32
+  rounding."""
+  from jaxrl_hex.sync.device_put import DevicePutSync
+  receive = DevicePutSync.receive
+
+  def corrupting(self, handle):
+    version, params = receive(self, handle)
+    return version, (dict(params, embed=params["embed"] * 2) if version >= 2 else params)
+
+  monkeypatch.setattr(DevicePutSync, "receive", corrupting)
+  overrides = {"train.steps": 6, "train.max_staleness": 0, "sync.verify_every": 0, "sync.probe_every": 1}
+  with pytest.raises(
+      RunStopped, match=r"logprob probe at version 2: probe token \d+'s logprob .* leaf \['embed'\] "
+      r"differs on the rollout side .* so the transfer corrupted it"):
+    _run(tmp_path, warm_workdir, **overrides)
+  rows = [r for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if r.get("phase") == "train"]
+  assert [r["step"] for r in rows] == [0, 1]  # step 2's row is never written: its probe stopped the run
+  assert rows[1]["probe_gap"] < 1e-4

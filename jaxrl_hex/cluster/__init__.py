@@ -2,9 +2,10 @@
 backend:
 
   train side    version, meta, step(batch) -> metrics, publish() -> sync.Handle,
-                save(meta), describe(), close()
+                save(meta), score(rollout) -> logprobs, fingerprint(always), describe(), close()
   rollout side  replicas, generate(records, group_size, seed, batch_index, handle) -> Rollout,
-                evaluate(records, handle) -> completions, describe(), restarts, close()
+                evaluate(records, handle) -> completions, probe(prompt, handle) -> [per replica
+                {version, rollout, fingerprint}], describe(), restarts, close()
 
 `local`: both pools are device subsets of this process's JAX runtime (cluster/local.py).
 `ray`: each pool is a group of Ray actors with its own JAX runtime; a multi-process train

@@ -7,8 +7,10 @@ import jax
 
 from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
 from jaxrl_hex.config import resolve_path
+from jaxrl_hex.data.rollouts import select_rows
 from jaxrl_hex.evaluation import greedy_completions
 from jaxrl_hex.models.hf import load_params
+from jaxrl_hex.rl.batch import scoring_batch
 from jaxrl_hex.rl.objectives import make_rl_loss
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer
 from jaxrl_hex.rollout.engine import Engine, engine_options
@@ -72,10 +74,15 @@ class LocalTrainSide:
   def publish(self):
     return self.sync.publish(*self.trainer.weights())._replace(fingerprint=self.fingerprint())
 
-  def fingerprint(self):
-    """The published params' sync.fingerprint on versions sync.verify_every says to check, else None."""
+  def fingerprint(self, always=False):
+    """The params' sync.fingerprint on versions sync.verify_every says to check (or always), else None."""
     every = self.rt.cfg.sync.verify_every
-    return fingerprint(self.trainer.params) if every and self.trainer.version % every == 0 else None
+    due = always or (every and self.trainer.version % every == 0)
+    return fingerprint(self.trainer.params) if due else None
+
+  def score(self, rollout):
+    """[N, C] logprobs of the rollout's completion tokens under the current params (the probe)."""
+    return self.trainer.score(scoring_batch(rollout))
 
   @property
   def sync_seconds(self) -> float:
@@ -191,6 +198,19 @@ class LocalRolloutSide:
   def evaluate(self, records, handle) -> list[str]:
     self.refresh(self.eval_engine, handle)
     return greedy_completions(self.eval_engine, records, len(records))
+
+  def probe(self, prompt, handle) -> list[dict]:
+    """The weight-sync probe (sync/probe.py): `prompt` greedy-decoded with the weights of `handle`
+    -> [{version, rollout: its one row, fingerprint: of the weights the engine decoded with}], one
+    per replica."""
+    engine = self.eval_engine
+    self.refresh(engine, handle)
+    rollout = engine.generate([prompt] * engine.pool.batch_ways, 1, jax.random.key(0), greedy=True)
+    return [{
+        "version": engine.version,
+        "rollout": select_rows(rollout, [0]),
+        "fingerprint": fingerprint(engine.params)
+    }]
 
   def describe(self) -> dict:
     return dict(self.rt.pool("rollout").describe(), processes=[{"pid": os.getpid(), "host": os.uname().nodename}])

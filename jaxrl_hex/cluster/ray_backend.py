@@ -174,6 +174,12 @@ class RayTrainSide:
   def save(self, meta):
     self._all("save", meta)
 
+  def score(self, rollout):
+    return self._all("score", rollout)[0]  # every process takes part in the pool's program
+
+  def fingerprint(self, always=False):
+    return self._all("fingerprint", always)[0]
+
   def describe(self) -> dict:
     return {"role": "train", "backend": "ray", "mesh": self.mesh, "processes": self._all("describe")}
 
@@ -470,17 +476,24 @@ class RayRolloutSide:
   def evaluate(self, records, handle):
     """Greedy completions on the replica with the largest share (beside its current chunk)."""
     shares = self.router.shares()
-    i = max(range(self.replicas), key=lambda r: shares[r])
+    return self._call(max(range(self.replicas), key=lambda r: shares[r]), "evaluate", records, self._newest(handle))
+
+  def probe(self, prompt, handle) -> list[dict]:
+    """The weight-sync probe (LocalRolloutSide.probe) on every replica: each has its own layout."""
+    return [self._call(i, "probe", prompt, self._newest(handle)) for i in range(self.replicas)]
+
+  def _call(self, i, method, *args):
+    """Replica i's `method` beside its current chunk; a lost or hung replica is replaced and asked again."""
     ray = self._ray
     while True:
       worker = self.workers[i]
       try:
-        return ray.get(worker.evaluate.remote(records, self._newest(handle)), timeout=self.timeout)
+        return ray.get(getattr(worker, method).remote(*args), timeout=self.timeout)
       except ray.exceptions.RayTaskError as e:
         raise _unwrap(e) from None
       except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         if self._closing:
-          raise RuntimeError("the rollout side was closed during evaluate") from None
+          raise RuntimeError(f"the rollout side was closed during {method}") from None
         self._replace(i, worker)
 
   def occupancy(self, replica) -> float | None:

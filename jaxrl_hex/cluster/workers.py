@@ -101,6 +101,12 @@ class TrainWorker:
   def save(self, meta):
     self.side.save(meta)
 
+  def score(self, rollout):
+    return self.side.score(rollout)
+
+  def fingerprint(self, always=False):
+    return self.side.fingerprint(always)
+
   def describe(self) -> dict:
     return _describe(self.process_id)
 
@@ -143,6 +149,9 @@ class RolloutWorker:
 
   def evaluate(self, records, handle):
     return self.side.evaluate(records, handle)
+
+  def probe(self, prompt, handle) -> dict:
+    return self.side.probe(prompt, handle)[0]
 
   def advance(self, chunks, handle) -> dict:
     """Routed chunks onto the running engine, then one hand-back (LocalRolloutSide.advance) ->

@@ -25,14 +25,19 @@ class TrainBatch:
   versions: np.ndarray | None = None  # [N, C] int32, policy version that sampled each token
 
 
+def scoring_batch(rollout: Rollout) -> TrainBatch:
+  """The rollout's rows as sequences to score (prompt ++ completion), without the RL fields."""
+  return TrainBatch(tokens=np.concatenate([rollout.prompt_tokens, rollout.completion],
+                                          1), valid=np.concatenate([rollout.prompt_valid, rollout.completion_mask], 1),
+                    loss_mask=rollout.completion_mask)
+
+
 def rl_batch(rollout: Rollout) -> TrainBatch:
   if rollout.rewards is None:
     raise ValueError("rl_batch: rollout has no rewards; score it before training on it")
-  return TrainBatch(tokens=np.concatenate([rollout.prompt_tokens, rollout.completion],
-                                          1), valid=np.concatenate([rollout.prompt_valid, rollout.completion_mask],
-                                                                   1), loss_mask=rollout.completion_mask,
-                    behav_logp=rollout.behaviour_logprobs, rewards=rollout.rewards.astype(np.float32),
-                    group_ids=rollout.group_ids.astype(np.int32), versions=rollout.versions.astype(np.int32))
+  return dataclasses.replace(scoring_batch(rollout), behav_logp=rollout.behaviour_logprobs,
+                             rewards=rollout.rewards.astype(np.float32), group_ids=rollout.group_ids.astype(np.int32),
+                             versions=rollout.versions.astype(np.int32))
 
 
 def sft_batch(tokenizer, records: list[dict]) -> TrainBatch:

@@ -12,6 +12,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxrl_hex.errors import UserError
@@ -19,7 +20,7 @@ from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.sharding import activation_sharding
 from jaxrl_hex.rl import packing
 from jaxrl_hex.rl.batch import TrainBatch
-from jaxrl_hex.rl.layout import Rows
+from jaxrl_hex.rl.layout import Rows, token_logprobs
 from jaxrl_hex.rl.objectives import StartInputs
 
 
@@ -69,6 +70,7 @@ class Trainer:
     self._update = update_program(pool, objective, models, self.tx, self.critic_tx, state_shardings)
     self._gradients = jax.jit(_on(pool, functools.partial(_accumulate, objective, models)),
                               static_argnames=("num_seqs",))
+    self._score = jax.jit(_on(pool, functools.partial(token_logprobs, policy)))
 
   def plan(self, batch: TrainBatch) -> packing.Layout:
     n = batch.tokens.shape[0]
@@ -110,6 +112,13 @@ class Trainer:
     loss, grads, _ = self._gradients(self.params, self.critic_params, rows, data, jnp.int32(0), jnp.int32(self.version),
                                      num_seqs=layout.slot.shape[0] + 1)
     return loss, grads[0]
+
+  def score(self, batch: TrainBatch) -> np.ndarray:
+    """[N, C] logprob (temperature 1) of each completion token under the current params; a few
+    rows (the weight-sync probe), so they are replicated over the pool, not split."""
+    put = lambda x: jax.device_put(x, self.pool.replicated())
+    scored = TrainBatch(tokens=put(batch.tokens), valid=put(batch.valid), loss_mask=put(batch.loss_mask))
+    return np.asarray(jax.device_get(self._score(self.params, scored)[0]))
 
   def weights(self):
     return self.version, self.params

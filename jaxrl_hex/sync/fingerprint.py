@@ -38,16 +38,22 @@ class SyncMismatch(RunStopped):
   """The weights a rollout runtime received differ from what the trainer published."""
 
 
-def check(expected: dict, params, version: int):
-  """Raises SyncMismatch naming the first leaf whose sums differ."""
-  got = fingerprint(params)
+def first_difference(expected: dict, got: dict) -> str | None:
+  """The first leaf whose sums differ between two fingerprints, as a phrase, or None."""
   for path, want in expected.items():
     have = got.get(path)
     if have is None:
-      raise SyncMismatch(f"weight sync of version {version}: leaf {path} is missing on the rollout side")
+      return f"leaf {path} is missing on the rollout side"
     for k in (0, 1):
       if not math.isclose(have[k], want[k], rel_tol=0.0, abs_tol=TOLERANCE * max(want[k + 2], 1e-30)):
-        raise SyncMismatch(
-            f"weight sync of version {version}: leaf {path} differs on the rollout side (sum {have[k]:.6g}, the "
-            f"trainer's {want[k]:.6g}): the transfer corrupted it; the checkpoints are the trainer's own, so "
-            "--resume continues from the last one (sync.verify_every sets how often this is checked)")
+        return f"leaf {path} differs on the rollout side (sum {have[k]:.6g}, the trainer's {want[k]:.6g})"
+  return None
+
+
+def check(expected: dict, params, version: int):
+  """Raises SyncMismatch naming the first leaf whose sums differ."""
+  difference = first_difference(expected, fingerprint(params))
+  if difference:
+    raise SyncMismatch(f"weight sync of version {version}: {difference}: the transfer corrupted it; the "
+                       "checkpoints are the trainer's own, so --resume continues from the last one "
+                       "(sync.verify_every sets how often this is checked)")

@@ -1,0 +1,31 @@
+"""The logprob probe: the rollout engine and the trainer score one fixed sequence with the same
+weights version, and must agree.
+
+The fingerprint (sync/fingerprint.py) shows the rollout side holds the published numbers; the
+probe shows the engine computes with them what the trainer computes: its decode program, KV
+cache, layout and dtype against the trainer's forward pass. Every sync.probe_every versions the
+engine greedy-decodes the task's first eval prompt and the trainer recomputes the logprob of each
+decoded token (at temperature 1; greedy decoding records those). The two reduce in different
+orders over different layouts, so they agree to rounding, not bit for bit: sync.probe_tolerance is
+the largest per-token gap allowed, in nats.
+"""
+import numpy as np
+
+from jaxrl_hex.sync.fingerprint import SyncMismatch, first_difference
+
+
+def check(version: int, engine_logp, trainer_logp, tolerance: float, fingerprints) -> float:
+  """engine_logp, trainer_logp [C]: the probe tokens' logprobs on each side -> the largest gap;
+  raises SyncMismatch above `tolerance`, naming the leaf that differs if one does (fingerprints():
+  (the trainer's, the rollout side's), called only then)."""
+  gap = np.abs(np.asarray(engine_logp, np.float64) - np.asarray(trainer_logp, np.float64))
+  worst = int(np.argmax(gap)) if gap.size else 0
+  if not gap.size or gap[worst] <= tolerance:
+    return float(gap.max()) if gap.size else 0.0
+  difference = first_difference(*fingerprints())
+  cause = (f"{difference}, so the transfer corrupted it" if difference else
+           "every leaf's fingerprint agrees, so the engine's program computes differently from the trainer's "
+           "(a model, cache or sharding bug, not the transfer)")
+  raise SyncMismatch(f"logprob probe at version {version}: probe token {worst}'s logprob is {engine_logp[worst]:.4f} "
+                     f"on the rollout engine and {trainer_logp[worst]:.4f} on the trainer (gap {gap[worst]:.3g} > "
+                     f"sync.probe_tolerance={tolerance:g}); {cause}; --resume continues from the last checkpoint")
