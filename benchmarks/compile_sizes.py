@@ -21,6 +21,9 @@ grow linearly with the length). Each device count runs in its own process
        least-squares (non-negative, on relative errors) fit of planner/cost_model.py's HEAD_BYTES,
        OPT_TEMP_BYTES and SAVED_BYTES to XLA's peak bytes, the TRAIN_MEMORY_MARGIN that covers
        its largest under-estimate, and each point's error at the committed constants
+  python benchmarks/compile_sizes.py --part decode
+    -> benchmarks/out/decode_fit.json and a table in benchmarks/README.md: the fp32 decode step's
+       temp bytes on DECODE_POINTS against cost_model.decode_working_bytes
 """
 import argparse
 import dataclasses
@@ -81,6 +84,19 @@ FIT_POINTS = (
     ("llama3_70b", {"fsdp": 8, "tensor": 4}, 8192, 2, "full", True),
 )
 FIT_DEVICES = 32  # the fit's process simulates this many; each point's pool takes the first it needs
+# (model, tensor, prompt tokens, new tokens) of the decode points: the engine's decode step in fp32
+# (XLA:CPU upcasts bf16 dots, keeping fp32 copies of the weights and of the K/V it reads) at
+# DECODE_SLOTS, for cost_model.DECODE_KV_COPIES and decode_working_bytes
+DECODE_POINTS = (
+    ("qwen2_1_5b", 1, 1024, 4096),
+    ("qwen2_1_5b", 1, 256, 1024),
+    ("qwen2_1_5b", 2, 1024, 4096),
+    ("qwen2_7b", 1, 1024, 4096),
+    ("qwen2_7b", 1, 256, 1024),
+    ("qwen2_7b", 2, 256, 1024),
+    ("qwen2_7b", 4, 256, 1024),
+)
+DECODE_SLOTS = (16, 64)
 # yapf: enable
 
 
@@ -204,9 +220,48 @@ def measure(case, w) -> dict:
     decode = footprint.decode_step(policy, pool, int(w.output_mean), slots=case["rollout_slots"],
                                    max_prompt_len=w.prompt_len, steps_per_sync=16)
     out["decode"] = decode.as_dict()
+    span, slots = w.prompt_len + int(w.output_mean), case["rollout_slots"]
     kv = m.kv_bytes_token / min(t, m.n_kv_heads)
-    out["planner_decode_bytes"] = m.weight_bytes / t + case["rollout_slots"] * kv * (w.prompt_len + w.output_mean)
+    out["planner_decode_bytes"] = m.weight_bytes / t + slots * kv * span + cm.decode_working_bytes(m, t, slots, span)
   return out
+
+
+def measure_decode_points() -> list:
+  """In a process with 4 devices: XLA's temp bytes of the fp32 decode step on every DECODE_POINTS
+  entry at each of DECODE_SLOTS, beside the planner's decode_working_bytes."""
+  from jaxrl_hex import footprint, meshes
+  from jaxrl_hex.models.policy import Policy
+  from jaxrl_hex.planner import cost_model as cm
+  out = []
+  for name, t, prompt, new in DECODE_POINTS:
+    cfg = model_cfg(name)
+    cfg.update(dtype="float32", param_dtype="float32")
+    policy, m = Policy.build(cfg), cm.ModelCost.from_config(cfg)
+    pool = meshes.Pool(meshes.PoolSpec("rollout", tuple(range(t)), {"tensor": t}, meshes.DEFAULT_RULES))
+    temps = [
+        footprint.decode_step(policy, pool, new, slots=n, max_prompt_len=prompt, steps_per_sync=16).temp_bytes
+        for n in DECODE_SLOTS
+    ]
+    span = prompt + new
+    layer_kv = m.kv_bytes_token / min(t, m.n_kv_heads) / m.n_layers * span  # one slot's K + V of one layer
+    slope = (temps[1] - temps[0]) / (DECODE_SLOTS[1] - DECODE_SLOTS[0])
+    out.append(
+        dict(model=name, tensor=t, span=span, slots=DECODE_SLOTS, xla_temp_bytes=temps, kv_copies=slope / layer_kv,
+             layer_weight_copies=(temps[0] - slope * DECODE_SLOTS[0]) / (m.layer_weight_bytes / t),
+             planner_bytes=[cm.decode_working_bytes(m, t, n, span) for n in DECODE_SLOTS]))
+  return out
+
+
+def decode_table(points) -> str:
+  rows = [
+      "| model | tensor | tokens per slot | K/V copies per slot (fit) | layer weight copies (fit) | "
+      f"XLA temp GiB at {DECODE_SLOTS[1]} slots | planner GiB | planner / XLA |", "|---|---|---|---|---|---|---|---|"
+  ]
+  for p in points:
+    xla, planner = p["xla_temp_bytes"][1], p["planner_bytes"][1]
+    rows.append(f"| {p['model']} | {p['tensor']} | {p['span']} | {p['kv_copies']:.2f} | {p['layer_weight_copies']:.2f} "
+                f"| {gib(xla)} | {gib(planner)} | {planner / xla:.2f} |")
+  return "\n".join(rows)
 
 
 def measure_fit_points() -> list:
@@ -329,12 +384,25 @@ def main():
   ap.add_argument("--only", nargs="*", choices=MODELS + (SWEEP["model"],), help="models to measure (default: all)")
   ap.add_argument("--out", default=os.path.join(HERE, "out", "compile_sizes.json"))
   ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case (one process)")
-  ap.add_argument("--part", choices=("sizes", "fit"), default="sizes")
+  ap.add_argument("--part", choices=("sizes", "fit", "decode"), default="sizes")
   ap.add_argument("--case", help=argparse.SUPPRESS)  # the worker: one case, in its own process
   args = ap.parse_args()
   if args.case:
     case = json.loads(args.case)
-    print(json.dumps(measure_fit_points() if case == "fit" else measure(case, workload())))
+    parts = {"fit": measure_fit_points, "decode": measure_decode_points}
+    print(json.dumps(parts[case]() if isinstance(case, str) else measure(case, workload())))
+    return
+  if args.part == "decode":
+    done = subprocess.run([sys.executable, __file__, "--case", '"decode"'], env=device_env(4), capture_output=True,
+                          text=True, check=True)
+    points = json.loads(done.stdout.strip().splitlines()[-1])
+    path = os.path.join(HERE, "out", "decode_fit.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(points, f, indent=2)
+    text = decode_table(points)
+    print(text)
+    write_section("decode-memory", text, "The decode step's working set (benchmarks/compile_sizes.py --part decode)")
     return
   if args.part == "fit":
     done = subprocess.run([sys.executable, __file__, "--case", '"fit"'], env=device_env(FIT_DEVICES),

@@ -63,13 +63,5 @@ def render() -> str:
 
 if __name__ == "__main__":
   sys.path.insert(0, ROOT)
-  text = render()
-  if "--check" in sys.argv:
-    current = open(OUT).read() if os.path.exists(OUT) else ""
-    if current != text:
-      print("docs/cli.md is out of date; run `python docs/gen_cli.py`", file=sys.stderr)
-      sys.exit(1)
-  else:
-    with open(OUT, "w") as f:
-      f.write(text)
-    print(f"wrote {OUT}")
+  from generated import write_or_check  # docs/, beside this script
+  write_or_check(OUT, render(), "python docs/gen_cli.py")

@@ -7,6 +7,8 @@ to its exit code.
   3  a run stopped            one line saying how to continue it (--resume)
 """
 import argparse
+import json
+import os
 import sys
 
 from jaxrl_hex.errors import RunStopped, UserError
@@ -20,6 +22,38 @@ class Parser(argparse.ArgumentParser):
 
   def error(self, message):
     raise UserError(f"{self.prog.removeprefix('jaxrl-hex ')}: {message}; see `{self.prog} --help`")
+
+
+def check_out_file(path: str, example: str):
+  """--out names a file to write in a directory that exists (else the results are lost when the
+  file is opened, after the work); example: a file name for the hint."""
+  if os.path.isdir(path):
+    raise UserError(f"--out={path} is a directory; name the file to write, e.g. --out={os.path.join(path, example)}")
+  parent = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(parent):
+    raise UserError(f"--out={path}: directory {parent} does not exist; create it or write elsewhere")
+
+
+def jsonl_rows(path: str, flag: str, record: str):
+  """The JSON objects of a JSONL file, one per non-empty line -> [(line number, row)]; one-line
+  errors for a missing file, a directory, a line that is not JSON and a file without rows
+  (record: what a line holds, for the hint)."""
+  if not os.path.exists(path):
+    raise UserError(f"{flag}: {path!r} does not exist; name a JSONL file, one {record} per line")
+  if os.path.isdir(path):
+    raise UserError(f"{flag}: {path!r} is a directory; name a JSONL file, one {record} per line")
+  rows = []
+  with open(path) as f:
+    for i, line in enumerate(f):
+      if not line.strip():
+        continue
+      try:
+        rows.append((i + 1, json.loads(line)))
+      except ValueError as e:
+        raise UserError(f"{flag}: line {i + 1} of {path} is not JSON ({e}); write one {record} per line") from None
+  if not rows:
+    raise UserError(f"{flag}: {path} holds nothing; write one {record} per line")
+  return rows
 
 
 def fail(message: str) -> int:

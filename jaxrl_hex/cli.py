@@ -16,6 +16,8 @@ commands:
   simulate  discrete-event simulation of a plan's async loop
   calibrate fit the planner's cost model to runs on your cluster: WORKDIR... --out fitted.yaml
   generate  sample from a run's checkpoint for a JSONL file of prompts (continuous batching)
+  eval      held-out accuracy of a run's checkpoint (--step=N|best) or a Hugging Face model dir:
+            greedy, and pass@k / mean@k with --samples=k
   report    figures and a markdown summary of runs: jaxrl-hex report WORKDIR [WORKDIR...]
   launch    run a command on every worker of a TPU pod slice, or as a job on a Ray cluster
   convert   Hugging Face model dir <-> Orbax run: --from-hf=DIR --out=RUN | --to-hf=RUN --out=DIR
@@ -35,6 +37,7 @@ COMMANDS = {
     "simulate": "jaxrl_hex.planner.command:simulate_main",
     "calibrate": "jaxrl_hex.calibration:main",
     "generate": "jaxrl_hex.generate:main",
+    "eval": "jaxrl_hex.eval_command:main",
     "report": "jaxrl_hex.report:main",
     "launch": "jaxrl_hex.cluster.launch:main",
     "convert": "jaxrl_hex.convert:main",
@@ -43,9 +46,12 @@ COMMANDS = {
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if not argv or argv[0] in ("-h", "--help", "help"):
+  if argv and argv[0] in ("-h", "--help", "help"):
     print(USAGE)
     return 0
+  if not argv:  # a command is missing: the list, as a usage error
+    print(USAGE, file=sys.stderr)
+    return 2
   if argv[0] == "--version":
     print(f"jaxrl-hex {__version__}")
     return 0

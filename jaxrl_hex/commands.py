@@ -13,12 +13,20 @@ import threading
 import time
 
 import jax
+import ml_collections
 from absl import logging as absl_logging
 
 from jaxrl_hex import arguments
 from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
 from jaxrl_hex.cluster import build_sides, check_config
-from jaxrl_hex.config import apply_overrides, load_config_file, read_run_config, resolve_path, write_run_config
+from jaxrl_hex.config import (
+    apply_overrides,
+    base_config,
+    load_config_file,
+    read_run_config,
+    resolve_path,
+    write_run_config,
+)
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.gin_config import apply_gin
 from jaxrl_hex.meshes import prepare_cpu_devices
@@ -75,6 +83,7 @@ def write_cluster(workdir, train, rollout):
 def sft(cfg, workdir, resume=False):
   if resume:
     raise UserError("sft --resume: a supervised run restarts from scratch; drop --resume or use a new --workdir")
+  t0 = time.time()
   rt = build_runtime(cfg)
   ckpt_dir = _prepare_workdir(cfg, workdir, resume=False)
   recorder = Recorder(workdir, config=cfg)
@@ -84,7 +93,29 @@ def sft(cfg, workdir, resume=False):
   _, summary = run_sft(rt, params, recorder, checkpointer)
   checkpointer.close()
   recorder.close()
+  summary["wall_seconds"] = time.time() - t0
+  write_summary(workdir, summary)
   return summary
+
+
+def write_summary(workdir, summary):
+  """summary.json: a finished run's closing figures (steps, held-out accuracy before and after, seconds)."""
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+
+
+def closing_line(name, summary) -> str:
+  """The held-out accuracy a command started and ended at, naming where each was measured."""
+  end = summary["eval_accuracy_end"]
+  if name == "sft":
+    start, where = summary["eval_accuracy_start"], f"start -> end of SFT, {summary['steps']} steps"
+  elif summary.get("warmstart"):
+    start, where = summary["warmstart"]["eval_accuracy_end"], "warm start -> end of RL"
+  elif summary.get("resumed_from") is not None:
+    start, where = summary["eval_accuracy_start"], f"resumed at step {summary['resumed_from']} -> end of RL"
+  else:
+    start, where = summary["eval_accuracy_start"], "start of RL -> end of RL"
+  return f"held-out accuracy {start:.3f} -> {end:.3f} ({where}), wall time {summary['wall_seconds']:.0f}s"
 
 
 def train(cfg, workdir, resume=False):
@@ -94,9 +125,10 @@ def train(cfg, workdir, resume=False):
   _prepare_workdir(cfg, workdir, resume)
   recorder = Recorder(workdir, append=resume, config=cfg)
   train_side, rollout_side = build_sides(rt, workdir, resume, recorder)
+  resumed_from = train_side.version if resume else None
   if resume:  # restored: the resumed run's config and metrics from the checkpoint's step on
     write_run_config(cfg, workdir)
-    recorder.resume_at(train_side.version)
+    recorder.resume_at(resumed_from)
   try:
     write_cluster(workdir, train_side, rollout_side)
     rollout_side.on_restart = lambda: write_cluster(workdir, train_side, rollout_side)
@@ -108,9 +140,9 @@ def train(cfg, workdir, resume=False):
     rollout_side.close()
     recorder.close()
   summary["warmstart"] = train_side.warmstart
+  summary["resumed_from"] = resumed_from
   summary["wall_seconds"] = time.time() - t0
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  write_summary(workdir, summary)
   return summary
 
 
@@ -151,7 +183,12 @@ def stop_on_signals(request_stop, deadline_s: float):
 
 def parser(name: str) -> arguments.Parser:
   """The flags of train and sft; --config.SECTION.FIELD=VALUE overrides come on top."""
-  p = arguments.Parser(f"jaxrl-hex {name}", DESCRIPTIONS[name])
+  fields = base_config()
+  sections = [k for k, v in fields.items() if isinstance(v, ml_collections.ConfigDict)]
+  epilog = (f"config sections (--config.SECTION.FIELD=VALUE): {', '.join(sections)}; top-level fields: "
+            f"{', '.join(k for k in fields if k not in sections)}. Every field with its default and meaning: "
+            "docs/cli.md (python docs/gen_cli.py writes it).")
+  p = arguments.Parser(f"jaxrl-hex {name}", DESCRIPTIONS[name], epilog=epilog)
   p.add_argument("--config", default=None,
                  help=f"config file whose get_config() returns the run config (default {DEFAULT_CONFIG})")
   p.add_argument("--workdir", default=None, help="run directory (default runs/<command>-<time>)")
@@ -245,11 +282,8 @@ def _main(name, args, unparsed):
   if mesh_file.platform == "cpu" and mesh_file.num_devices:
     prepare_cpu_devices(mesh_file.num_devices)
   summary = (train if name == "train" else sft)(cfg, workdir, resume=args.resume)
-  if summary.get("wall_seconds") is not None and summary.get("eval_accuracy_end") is not None:
-    warm = summary.get("warmstart") or {}
-    before = warm.get("eval_accuracy_end", summary["eval_accuracy_start"])
-    print(f"held-out accuracy {before:.3f} -> {summary['eval_accuracy_end']:.3f} "
-          f"(warm start -> end of RL), wall time {summary['wall_seconds']:.0f}s")
+  if summary.get("eval_accuracy_end") is not None and summary.get("eval_accuracy_start") is not None:
+    print(closing_line(name, summary))
   print(f"workdir: {workdir}")
 
 

@@ -23,7 +23,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.task = "arith"  # built-in name or path/to/file.py:make_task
   c.task_args = ml_collections.ConfigDict({"digits": 2, "eval_size": 256})
   c.model = ml_collections.ConfigDict(MODEL_DEFAULTS)
-  c.init_from = ""  # a workdir (its latest checkpoint) to start RL from; "" = warm start
+  # a workdir to start RL from: its latest checkpoint, or WORKDIR:best its best one (train.keep_best) or
+  # WORKDIR:N step N; "" = warm start
+  c.init_from = ""
   c.model_dir = ""  # a Hugging Face model dir: architecture, tokenizer and first weights from it
 
   c.sft = ml_collections.ConfigDict(
@@ -94,12 +96,17 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict(
       dict(steps=400, max_staleness=2, eval_every=50, eval_size=256, checkpoint_every=100, keep_checkpoints=2,
-           log_every=10, max_nonfinite_steps=3, stop_deadline_s=120.0, watchdog_s=900.0,
+           log_every=10, max_nonfinite_steps=3, stop_deadline_s=120.0, watchdog_s=900.0, keep_best=False,
+           keep_best_by="eval_accuracy", keep_best_mode="max",
            resume_step=-1))  # resume_step: set by `train --resume --step=N` (-1: the newest intact)
   # max_nonfinite_steps: steps in a row whose every update was skipped for a non-finite loss or gradient
   # before the run stops (its checkpoints hold the last finite weights); stop_deadline_s: after SIGTERM or
   # SIGINT, seconds for the step in flight and its checkpoint before the process exits regardless;
-  # watchdog_s: a run with no train step and no generated batch for this long stops (0: never)
+  # watchdog_s: a run with no train step and no generated batch for this long stops (0: never);
+  # keep_best: an evaluation whose keep_best_by (a key of the train rows, eval_accuracy or e.g. reward_mean)
+  # beats every earlier one in the run (keep_best_mode max: higher is better, min: lower) is checkpointed, at
+  # once if no checkpoint is due, and that checkpoint is kept beside the last keep_checkpoints and named in
+  # checkpoints/best.json (`--step=best`, init_from=WORKDIR:best); the evaluation at step 0 does not count
 
   # directory "" = WORKDIR/sync; verify_every: check the rollout side's weights against the trainer's
   # fingerprint (sync/fingerprint.py) on every N-th version (0: never); probe_every: on every N-th version
@@ -129,6 +136,10 @@ FIELD_CHECKS = {
     "train.checkpoint_every": (lambda v: v >= 1, ">= 1", "RL steps between checkpoints; the last step always "
                                "saves, so train.steps saves at the end only"),
     "train.keep_checkpoints": (lambda v: v >= 1, ">= 1", "checkpoints kept on disk"),
+    "train.keep_best_by": (lambda v: isinstance(v, str) and v != "", "a metric name", "the train row key "
+                           "train.keep_best compares at each evaluation, e.g. eval_accuracy"),
+    "train.keep_best_mode": (lambda v: v in ("max", "min"), "max or min", "whether a higher or a lower "
+                             "train.keep_best_by is better"),
     "train.max_nonfinite_steps": (lambda v: v >= 1, ">= 1", "steps in a row with only non-finite updates that "
                                   "stop the run"),
     "train.stop_deadline_s": (lambda v: v > 0, "> 0", "seconds after SIGTERM for the step and its checkpoint"),

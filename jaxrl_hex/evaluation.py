@@ -1,20 +1,41 @@
-"""Held-out accuracy: mean reward of greedy completions, generated on whichever pool holds the weights."""
+"""Held-out accuracy: mean reward of greedy completions, generated on whichever pool holds the weights;
+and for `jaxrl-hex eval` the rewards of k sampled completions per prompt (pass@k, mean@k)."""
 import jax
+import numpy as np
+
+
+def _padded(engine, chunk):
+  return chunk + chunk[:1] * (-len(chunk) % engine.pool.batch_ways)  # the batch must split over the pool
 
 
 def greedy_completions(engine, records, batch_size: int) -> list[str]:
-  ways = engine.pool.batch_ways
   out = []
   for i in range(0, len(records), batch_size):
     chunk = records[i:i + batch_size]
-    padded = chunk + chunk[:1] * (-len(chunk) % ways)  # the batch must split over the pool
-    rollout = engine.generate([r["prompt"] for r in padded], 1, jax.random.key(0), greedy=True)
+    rollout = engine.generate([r["prompt"] for r in _padded(engine, chunk)], 1, jax.random.key(0), greedy=True)
     out += engine.decode(rollout)[:len(chunk)]
   return out
 
 
+def sampled_completions(engine, records, k: int, rng, batch_size: int) -> list[list[str]]:
+  """k completions of each record at the engine's temperature -> [record][sample]; chunk i's samples
+  are keyed by fold_in(rng, i)."""
+  out = []
+  for i in range(0, len(records), batch_size):
+    chunk = records[i:i + batch_size]
+    rollout = engine.generate([r["prompt"] for r in _padded(engine, chunk)], k, jax.random.fold_in(rng, i))
+    texts = engine.decode(rollout)  # prompt-major: a prompt's k samples are adjacent
+    out += [texts[j * k:(j + 1) * k] for j in range(len(chunk))]
+  return out
+
+
+def rewards(scorer, records, completions) -> np.ndarray:
+  """The task's reward of each record's completion -> [N] float32."""
+  return scorer([r["prompt"] for r in records], completions, [r["answer"] for r in records])
+
+
 def score(scorer, records, completions) -> float:
-  return float(scorer([r["prompt"] for r in records], completions, [r["answer"] for r in records]).mean())
+  return float(rewards(scorer, records, completions).mean())
 
 
 def evaluate(engine, scorer, records, version, params, batch_size: int) -> float:

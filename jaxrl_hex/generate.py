@@ -15,7 +15,7 @@ import time
 import jax
 
 from jaxrl_hex import arguments
-from jaxrl_hex.checkpoint import Checkpointer
+from jaxrl_hex.checkpoint import BEST_FILE, Checkpointer, step_arg
 from jaxrl_hex.config import FIELD_CHECKS, check_field, read_run_config
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import prepare_cpu_devices
@@ -39,23 +39,29 @@ def _parser():
   ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   ap.add_argument("--greedy", action="store_true")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  ap.add_argument("--step", type=step_arg, default=None,
+                  help="checkpoint step, or best (train.keep_best's best evaluation); default: the latest")
   for name, kind in FLAGS.items():
     ap.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"overrides rollout.{name}")
   return ap
 
 
 def saved_step(workdir: str, step, field: str = "--workdir") -> str:
-  """The checkpoints/ of a run, after checking it holds a checkpoint (at `step`, when given); `field`
-  names the flag of the workdir in errors. Reads no weights."""
+  """The checkpoints/ of a run, after checking it holds a checkpoint (at `step`, a number or "best",
+  when given); `field` names the flag of the workdir in errors. Reads no weights."""
   ckpt_dir = os.path.join(workdir, "checkpoints")
   # Checkpointer creates a missing directory: a run without one has saved nothing
-  steps = Checkpointer(ckpt_dir).steps() if os.path.isdir(ckpt_dir) else []
+  checkpointer = Checkpointer(ckpt_dir) if os.path.isdir(ckpt_dir) else None
+  steps = checkpointer.steps() if checkpointer else []
   if not steps:
     raise UserError(f"{field}: {workdir} holds no checkpoint yet ({ckpt_dir} is empty or missing); point {field} "
                     "at a train or sft run that saved one (sft saves at its end, train every train.checkpoint_every "
                     "steps)")
-  if step is not None and step not in steps:
+  if step == "best" and checkpointer.best is None:
+    raise UserError(f"--step=best: {workdir} has no best checkpoint (no {ckpt_dir}/{BEST_FILE}): it trained "
+                    "without --config.train.keep_best=True or has not evaluated since; pass one of its steps "
+                    f"{steps}, or drop --step for the latest ({steps[-1]})")
+  if step not in (None, "best") and step not in steps:
     raise UserError(f"--step={step}: {workdir} has no checkpoint at step {step}; it has steps {steps}: pass one of "
                     f"them, or drop --step for the latest ({steps[-1]})")
   return ckpt_dir
@@ -69,43 +75,28 @@ def _check_args(args):
     value = getattr(args, name)
     if value is not None and f"rollout.{name}" in FIELD_CHECKS:
       check_field(f"rollout.{name}", value, "--" + name.replace("_", "-"))
-  if os.path.isdir(args.out):
-    raise UserError(f"--out={args.out} is a directory; name the JSONL file to write, e.g. "
-                    f"--out={os.path.join(args.out, 'samples.jsonl')}")
-  parent = os.path.dirname(os.path.abspath(args.out))
-  if not os.path.isdir(parent):  # else the samples are lost when the file is opened, after generating them all
-    raise UserError(f"--out={args.out}: directory {parent} does not exist; create it or write elsewhere")
+  arguments.check_out_file(args.out, "samples.jsonl")
 
 
 def _read_prompts(path, samples):
   """-> [(line number, Request)]."""
-  if not os.path.exists(path):
-    raise UserError(f"--prompts: {path!r} does not exist")
-  if os.path.isdir(path):
-    raise UserError(f"--prompts: {path!r} is a directory; name a JSONL file, one {{\"prompt\": ...}} per line")
   requests = []
-  with open(path) as f:
-    for i, line in enumerate(f):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-        if not isinstance(row["prompt"], (str, list)):
-          raise TypeError(f"prompt is a {type(row['prompt']).__name__}")
-        request = Request(row["prompt"], n=int(row.get("n", samples)), max_tokens=row.get("max_tokens"),
-                          stop=tuple(row.get("stop", ())), id=row.get("id", i))
-      except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"--prompts: line {i + 1} of {path} is not {{\"prompt\": str, ...}} JSON ({e})") from None
-      if request.n < 1:
-        raise UserError(f"--prompts: line {i + 1} of {path} asks for n={request.n} samples; make it >= 1 or drop "
-                        "\"n\" (then --samples)")
-      requests.append((i + 1, request))
-  if not requests:
-    raise UserError(f"--prompts: {path} holds no prompts; write one {{\"prompt\": ...}} per line")
+  for line, row in arguments.jsonl_rows(path, "--prompts", '{"prompt": ...}'):
+    try:
+      if not isinstance(row["prompt"], (str, list)):
+        raise TypeError(f"prompt is a {type(row['prompt']).__name__}")
+      request = Request(row["prompt"], n=int(row.get("n", samples)), max_tokens=row.get("max_tokens"),
+                        stop=tuple(row.get("stop", ())), id=row.get("id", line - 1))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise UserError(f"--prompts: line {line} of {path} is not {{\"prompt\": str, ...}} JSON ({e})") from None
+    if request.n < 1:
+      raise UserError(f"--prompts: line {line} of {path} asks for n={request.n} samples; make it >= 1 or drop "
+                      "\"n\" (then --samples)")
+    requests.append((line, request))
   return requests
 
 
-def _check_prompts(requests, path, rt, slots: int):
+def check_prompts(requests, path, rt, slots: int):
   """Every prompt fits the model and the engine, before weights load or anything compiles (the engine
   finds out only as it queues them)."""
   r, m = rt.cfg.rollout, rt.cfg.model
@@ -147,7 +138,7 @@ def generate(args) -> dict:
   rt = build_runtime(cfg, check_prompts=False)  # the task's prompts are not this command's
   r = cfg.rollout
   options = engine_options(r)
-  _check_prompts(lines, args.prompts, rt, options["slots"])
+  check_prompts(lines, args.prompts, rt, options["slots"])
   engine = Engine(rt.policy, rt.pools["rollout"], rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
                   **options)
   like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), rt.policy.shapes(),

@@ -201,12 +201,17 @@ class Progress:
 
   On a terminal a rich panel redraws in place; otherwise (a log file, a notebook cell, CI) one
   plain line every `every` steps and on each evaluation, with no control codes.
+
+  target (row key, value): the phase stops once that figure reaches the value, usually long
+  before `total` (the SFT warm start's accuracy target). `total` is then only a cap: the line
+  says so, shows no percentage of it, and the time to it is an upper bound ("eta <= ..."); the
+  panel's bar is the figure's way to its target.
   """
 
   WINDOW = 50  # steps the ETA's rate is measured over: compile time fades out of it
 
-  def __init__(self, title: str, total: int, every: int = 10, stream=None, unit: str = "step"):
-    self.title, self.total, self.every, self.unit = title, total, max(every, 1), unit
+  def __init__(self, title: str, total: int, every: int = 10, stream=None, unit: str = "step", target=None):
+    self.title, self.total, self.every, self.unit, self.target = title, total, max(every, 1), unit, target
     self.stream = stream or sys.stdout
     self.quiet = bool(os.environ.get("JAXRL_HEX_QUIET"))
     self.last = {}
@@ -243,7 +248,16 @@ class Progress:
 
   def eta(self) -> str:
     rate = self.rate()
-    return "?" if rate is None else _duration((self.total - self.last.get("step", 0)) / rate)
+    if rate is None:
+      return "?"
+    left = _duration((self.total - self.last.get("step", 0)) / rate)
+    return f"<= {left}" if self.target else left
+
+  def _goal(self) -> str:
+    """'stops at eval acc 0.400' for a target, naming the figure as the headline does."""
+    key, value = self.target
+    label, fmt = next(((label, fmt) for k, label, fmt in HEADLINE if k == key), (key, "{:.3f}"))
+    return f"stops at {label} {fmt.format(value)}"
 
   def figures(self):
     """(label, text) pairs for the headline keys present."""
@@ -261,10 +275,11 @@ class Progress:
   def line(self) -> str:
     step = self.last.get("step", 0)
     rate = self.rate()
-    head = [
-        f"{self.title} {step}/{self.total}", f"{100 * step / max(self.total, 1):.0f}%",
-        f"elapsed {_duration(time.time() - self.t0)}", f"eta {self.eta()}"
-    ]
+    if self.target:
+      head = [f"{self.title} {step} (up to {self.total}, {self._goal()})"]
+    else:
+      head = [f"{self.title} {step}/{self.total}", f"{100 * step / max(self.total, 1):.0f}%"]
+    head += [f"elapsed {_duration(time.time() - self.t0)}", f"eta {self.eta()}"]
     if rate is not None:
       head.append(f"{rate:.2f} {self.unit}/s")
     return " | ".join([" ".join(head)] + [f"{label} {text}" for label, text in self.figures()])
@@ -273,9 +288,16 @@ class Progress:
     step = self.last.get("step", 0)
     rate = self.rate()
     grid = Table.grid(padding=(0, 2))
-    grid.add_row(ProgressBar(total=max(self.total, 1), completed=step,
-                             width=40), f"{step}/{self.total}", f"elapsed {_duration(time.time() - self.t0)}",
-                 f"eta {self.eta()}", "" if rate is None else f"{rate:.2f} {self.unit}/s")
+    title = self.title
+    if self.target:  # the bar is the way to the target; the step count is a cap, named in the title
+      key, value = self.target
+      reached = (self.best_eval or 0.0) if key == "eval_accuracy" else self.last.get(key, 0.0)
+      bar, count = ProgressBar(total=max(value, 1e-9), completed=min(reached, value), width=40), f"step {step}"
+      title = f"{self.title}: up to {self.total} steps, {self._goal()}"
+    else:
+      bar, count = ProgressBar(total=max(self.total, 1), completed=step, width=40), f"{step}/{self.total}"
+    grid.add_row(bar, count, f"elapsed {_duration(time.time() - self.t0)}", f"eta {self.eta()}",
+                 "" if rate is None else f"{rate:.2f} {self.unit}/s")
     figures = Table.grid(padding=(0, 3))
     pairs = self.figures()
     for _ in pairs:
@@ -283,7 +305,7 @@ class Progress:
     if pairs:
       figures.add_row(*[f"[dim]{label}[/dim]" for label, _ in pairs])
       figures.add_row(*[text for _, text in pairs])
-    return Panel(Group(grid, figures), title=self.title, title_align="left")
+    return Panel(Group(grid, figures), title=title, title_align="left")
 
   def close(self, summary: str = ""):
     if self.live is not None:

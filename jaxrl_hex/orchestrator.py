@@ -8,6 +8,7 @@ Rollout runs in this process's threads (one per rollout replica) and only drives
 side; the trainer loop drives the train side. Where the pools actually compute (device subsets
 here, or Ray actors with their own runtimes) is the sides' business (jaxrl_hex/cluster).
 """
+import math
 import os
 import sys
 import threading
@@ -17,7 +18,7 @@ import numpy as np
 
 from jaxrl_hex.data.prompts import PromptStream
 from jaxrl_hex.data.rollouts import decode_completions
-from jaxrl_hex.errors import RunStopped
+from jaxrl_hex.errors import ConfigError, RunStopped
 from jaxrl_hex.evaluation import score
 from jaxrl_hex.metrics import Progress, thread_stacks
 from jaxrl_hex.rl.batch import rl_batch
@@ -40,6 +41,7 @@ class Orchestrator:
     if meta.get("data_state") is not None:
       self.stream.set_state(meta["data_state"])
     self.scorer = RewardScorer(rt.task, cfg.rollout.reward_timeout_s)
+    self.best = self._resumed_best(meta.get("best"))  # train.keep_best: the best evaluation so far
     self.eval_records = list(rt.task.eval[:cfg.train.eval_size])
     self.probe_prompt = (rt.task.eval or rt.task.train)[0]["prompt"]  # the fixed sequence of sync/probe.py
     self._handle = None  # newest published weights; a rollout started after admit(k) sees >= k - eta
@@ -178,9 +180,13 @@ class Orchestrator:
                            f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}), so their updates were "
                            "skipped and the checkpoints hold the last finite weights; lower --config.optim.lr or "
                            "check the reward, then continue with --resume")
+        if step == start_step:
+          self._check_best_metric(row)
+        best = False
         if (step + 1) % cfg.train.eval_every == 0 or step + 1 == self.total_steps:
           acc = row["eval_accuracy"] = self._eval()
-        if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == self.total_steps:
+          best = self._new_best(step + 1, row)
+        if best or (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == self.total_steps:
           self._save(item)
           saved = train.version
         row["wall_s"] = time.time() - self.recorder.t0
@@ -211,7 +217,8 @@ class Orchestrator:
         "seconds": seconds,
         "dropped_stale": self.buffer.dropped,
         "reward_errors": self.scorer.errors,
-        "rollout_restarts": self.rollout.restarts
+        "rollout_restarts": self.rollout.restarts,
+        "best": self.best
     }
     if acc_start is not None:
       progress.close(f"train: eval accuracy {acc_start:.3f} -> {acc:.3f} over "
@@ -253,14 +260,46 @@ class Orchestrator:
     return None
 
   def _save(self, item):
-    """A checkpoint of the trainer after the step that trained `item`."""
+    """A checkpoint of the trainer after the step that trained `item`, with the best evaluation so far
+    (whose checkpoint the Checkpointer keeps beside the last K; a resume goes on comparing with it)."""
     self.train.save({
         "phase": "train",
         "policy_version": self.train.version,
         "next_batch": item.batch_index + 1,
         "data_state": item.data_state,
-        "seed": self.cfg.seed
+        "seed": self.cfg.seed,
+        "best": self.best
     })
+
+  def _resumed_best(self, best):
+    """A resumed run's best, from its checkpoint, where it was judged as this run judges (keep_best on,
+    the same metric and mode)."""
+    t = self.cfg.train
+    if not t.keep_best or not best or (best.get("metric"), best.get("mode")) != (t.keep_best_by, t.keep_best_mode):
+      return None
+    return best
+
+  def _check_best_metric(self, row):
+    """train.keep_best_by against the first train row, rather than at the first evaluation."""
+    t = self.cfg.train
+    if t.keep_best and t.keep_best_by != "eval_accuracy" and not isinstance(row.get(t.keep_best_by), (int, float)):
+      numeric = sorted(k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+      raise ConfigError(f"train.keep_best_by={t.keep_best_by!r} is not a number in the train rows; use eval_accuracy "
+                        f"or one of {', '.join(numeric)}")
+
+  def _new_best(self, step, row) -> bool:
+    """Whether this evaluation beats every earlier one on train.keep_best_by (ties keep the earlier
+    checkpoint); if so it is the best now."""
+    t = self.cfg.train
+    value = row.get(t.keep_best_by)
+    if not t.keep_best or not isinstance(value, (int, float)) or not math.isfinite(value):
+      return False
+    if self.best is not None:
+      better = value > self.best["value"] if t.keep_best_mode == "max" else value < self.best["value"]
+      if not better:
+        return False
+    self.best = {"step": step, "metric": t.keep_best_by, "mode": t.keep_best_mode, "value": float(value)}
+    return True
 
   def _train_on(self, item, staleness, step, t_wait):
     """A train step on a batch from Buffer.take, with its samples' staleness [N] -> the metrics row."""

@@ -8,7 +8,10 @@ checks live with the backends (cluster/__init__.py).
 """
 import dataclasses
 import math
+import os
 import typing
+
+import jax
 
 from jaxrl_hex import footprint, meshes
 from jaxrl_hex.config import resolve_path, validate_fields
@@ -19,6 +22,12 @@ from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl.objectives import validate_algo
 from jaxrl_hex.sync import METHODS
 from jaxrl_hex.tasks import load_task
+
+# JAX's persistent compilation cache, on in every runtime: the train pool's preflight compiles the
+# very programs the trainer then runs (a real model's update compiles for minutes on TPU/GPU), and
+# resumed runs and replaced Ray workers compile what their predecessors did. JAX_COMPILATION_CACHE_DIR
+# names another directory ("" turns it off).
+COMPILE_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxrl_hex", "xla")
 
 BATCHES = (("train", "rollout.prompts_per_step x rollout.group_size"),
            ("rollout", "rollout.prompts_per_step x rollout.group_size"), ("train", "sft.batch_size"))
@@ -122,9 +131,17 @@ def load_mesh(cfg) -> meshes.MeshFile:
   return meshes.load_mesh_file(resolve_path(cfg.mesh_file))
 
 
+def enable_compile_cache():
+  """Points JAX's persistent compilation cache at COMPILE_CACHE_DIR unless the environment names
+  one. JAX decides at its first compile whether a process uses the cache, so this comes first."""
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ and jax.config.jax_compilation_cache_dir is None:
+    jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE_DIR)
+
+
 def build_runtime(cfg, own_runtime=False, replica=None, check_prompts=True) -> Runtime:
   """replica: a Ray rollout worker's index into the rollout pool's replica_specs() (its layout).
   check_prompts: the task's prompts against rollout.max_prompt_len (generate brings its own)."""
+  enable_compile_cache()
   mesh_file = load_mesh(cfg)
   validate_fields(cfg)  # before the task and the model load (seconds for a real one); validate() repeats it
   if cfg.get("model_dir"):  # the architecture is the checkpoint's config.json; precision stays the run's

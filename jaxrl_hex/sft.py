@@ -24,7 +24,9 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
                   max_prompt_len=rt.cfg.rollout.max_prompt_len)  # the task's prompts were checked against it
   scorer = RewardScorer(rt.task, rt.cfg.rollout.reward_timeout_s)
   eval_records = list(rt.task.eval[:s.eval_size])
-  progress = Progress(phase, s.max_steps, rt.cfg.train.log_every)
+  # the phase ends at the accuracy target, usually long before max_steps: the console says so
+  progress = Progress(phase, s.max_steps, rt.cfg.train.log_every,
+                      target=("eval_accuracy", s.target_accuracy) if s.target_accuracy > 0 else None)
   accuracy = evaluate(engine, scorer, eval_records, 0, trainer.params, len(eval_records))
   start_accuracy, t0 = accuracy, time.time()
   recorder.log({"phase": phase, "step": 0, "eval_accuracy": accuracy, "wall_s": time.time() - recorder.t0})

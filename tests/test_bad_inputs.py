@@ -52,6 +52,8 @@ CASES = [
     ("verify_every<0", "train --config.sync.verify_every=-1", "sync.verify_every=-1 must be >= 0"),
     ("probe_every<0", "train --config.sync.probe_every=-1", "sync.probe_every=-1 must be >= 0"),
     ("probe_tolerance=0", "train --config.sync.probe_tolerance=0.0", "sync.probe_tolerance=0.0 must be > 0"),
+    ("keep_best_mode", "train --config.train.keep_best_mode=up", "train.keep_best_mode='up' must be max or min"),
+    ("keep_best_by empty", "train --config.train.keep_best_by=", "train.keep_best_by='' must be a metric name"),
     ("step without resume", "train --step=3", "--step=3 picks the checkpoint --resume continues from; add --resume"),
     # the command line and the config file
     ("unknown key", "train --config.train.stepz=3", "unknown config key 'train.stepz'"),
@@ -100,7 +102,7 @@ CASES = [
     ("generate: no checkpoint", GEN.replace("{run}", "{bare}"), "--workdir: {bare} holds no checkpoint yet"),
     ("generate: no run", GEN.replace("{run}", "{tmp}"), "--workdir: {tmp}/config.json does not exist"),
     ("generate: missing prompts", GEN, "--prompts: '{tmp}/p.jsonl' does not exist"),
-    ("generate: empty prompts", GEN, "--prompts: {tmp}/p.jsonl holds no prompts"),
+    ("generate: empty prompts", GEN, "--prompts: {tmp}/p.jsonl holds nothing"),
     ("generate: not JSON", GEN, "--prompts: line 1 of {tmp}/p.jsonl is not"),
     ("generate: top-p", GEN + " --top-p=2", "--top-p=2.0 must be in (0, 1]"),
     ("generate: max-new-tokens", GEN + " --max-new-tokens=0", "--max-new-tokens=0 must be >= 1"),
@@ -111,6 +113,32 @@ CASES = [
     ("convert: no checkpoint", "convert --to-hf={bare} --out={tmp}/hf", "--to-hf: {bare} holds no checkpoint yet"),
     ("convert: no run", "convert --to-hf={tmp} --out={tmp}/hf", "--to-hf: {tmp}/config.json does not exist"),
     ("convert: not an HF dir", "convert --from-hf={tmp} --out={tmp}/r", "--from-hf: {tmp}: no config.json"),
+    ("generate: no best", GEN + " --step=best", "--step=best: {run} has no best checkpoint (no {run}/checkpoints/"
+     "best.json): it trained without --config.train.keep_best=True"),
+    ("generate: not a step", GEN + " --step=last", "argument --step: 'last' is not a checkpoint: pass a step number"),
+    # eval
+    ("eval: samples=0", "eval --workdir={run} --samples=0", "--samples=0 must be >= 1"),
+    ("eval: eval-size=0", "eval --workdir={run} --eval-size=0", "--eval-size=0 must be >= 1"),
+    ("eval: temperature without samples", "eval --workdir={run} --temperature=0.7",
+     "--temperature=0.7 sets how --samples=k samples; add e.g. --samples=8"),
+    ("eval: missing step", "eval --workdir={run} --step=5", "--step=5: {run} has no checkpoint at step 5; it has steps "
+     "[12]"),
+    ("eval: no best", "eval --workdir={run} --step=best", "--step=best: {run} has no best checkpoint"),
+    ("eval: no run", "eval --workdir={tmp}", "--workdir: {tmp}/config.json does not exist"),
+    ("eval: no checkpoint", "eval --workdir={bare}", "--workdir: {bare} holds no checkpoint yet"),
+    ("eval: no source", "eval --samples=4", "one of the arguments --workdir --model-dir is required"),
+    ("eval: config with a run", "eval --workdir={run} --config=configs/grpo.py", "--config=configs/grpo.py: --workdir "
+     "is scored with the run's saved config.json"),
+    ("eval: missing records", "eval --workdir={run} --prompts={tmp}/e.jsonl", "--prompts: '{tmp}/e.jsonl' does not "
+     "exist"),
+    ("eval: records without answers", "eval --workdir={run} --prompts={tmp}/e.jsonl", "--prompts: line 2 of "
+     "{tmp}/e.jsonl has no 'answer'; each line is {{\"prompt\": ..., \"answer\": ...}}"),
+    ("eval: records not JSON", "eval --workdir={run} --prompts={tmp}/e.jsonl", "--prompts: line 1 of {tmp}/e.jsonl is "
+     "not JSON"),
+    ("eval: model dir and step", "eval --model-dir={tmp} --step=3", "--step picks a checkpoint of --workdir"),
+    ("eval: not a model dir", "eval --model-dir={tmp} --out={tmp}/e.json", "--model-dir: {tmp} has no config.json"),
+    ("eval: model dir without out", "eval --model-dir={tmp}", "--model-dir: there is no run directory to write"),
+    ("eval: out a directory", "eval --workdir={run} --out={tmp}", "--out={tmp} is a directory"),
     # every command
     ("unknown flag", GEN + " --no-such-flag", "unrecognized arguments: --no-such-flag"),
     ("unknown command", "trian", "unknown command 'trian'"),
@@ -132,6 +160,10 @@ FILES = {  # name -> {file in {tmp}: text}
     "generate: missing prompts": {},
     "generate: empty prompts": {"p.jsonl": "\n"},
     "generate: not JSON": {"p.jsonl": "12+30=\n"},
+    "eval: records without answers": {"e.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "7+5="}\n'},
+    "eval: records not JSON": {"e.jsonl": "12+30=\n"},
+    "eval: not a model dir": {"weights.safetensors": ""},
+    "eval: model dir without out": {"config.json": "{}"},
 }
 
 

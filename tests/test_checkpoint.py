@@ -1,11 +1,13 @@
+import argparse
 import os
+import re
 
 import jax
 import numpy as np
 import optax
 import pytest
 
-from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
+from jaxrl_hex.checkpoint import Checkpointer, CheckpointError, read_best, split_run, step_arg
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.policy import Policy
 
@@ -105,3 +107,61 @@ def test_every_kept_step_damaged_is_one_line(pools, tmp_path):
   with pytest.raises(CheckpointError, match=r"every kept checkpoint in .* is damaged \(steps \[2\]\)"):
     reopened.restore(_state(pools))
   reopened.close()
+
+
+def _best(step, value):
+  return {"step": step, "metric": "eval_accuracy", "mode": "max", "value": value}
+
+
+def test_the_best_is_kept_beside_the_last_k_and_named_once_its_save_is_complete(pools, tmp_path):
+  state, like = _state(pools), _state(pools, seed=1)
+  ckpt = Checkpointer(str(tmp_path), keep=2)
+  for step in (1, 2, 3, 4):
+    ckpt.save(step, state, {"policy_version": step, "best": _best(1, 0.5)})
+  ckpt.wait()
+  assert ckpt.steps() == [1, 3, 4] and read_best(str(tmp_path)) == _best(1, 0.5)
+  ckpt.save(5, state, {"policy_version": 5, "best": _best(5, 0.75)})
+  assert read_best(str(tmp_path)) == _best(1, 0.5)  # step 5 may still be in flight
+  ckpt.wait()
+  assert ckpt.steps() == [4, 5] and read_best(str(tmp_path)) == _best(5, 0.75)
+  assert ckpt.restore(like, step="best")[1]["policy_version"] == 5
+  assert "best" not in ckpt.restore(like, step=4)[1]  # its best, step 1, is gone
+  ckpt.close()
+  reopened = Checkpointer(str(tmp_path), keep=2)  # a resumed run: best.json goes on protecting step 5
+  for step in (6, 7, 8):
+    reopened.save(step, state, {"policy_version": step, "best": _best(5, 0.75)})
+  reopened.close()
+  assert reopened.steps() == [5, 7, 8] and reopened.resolve("best") == 5
+
+
+def test_a_resume_before_the_best_names_the_best_as_of_its_step(pools, tmp_path):
+  state = _state(pools)
+  ckpt = Checkpointer(str(tmp_path), keep=3)
+  for step, best in ((1, 1), (2, 2), (3, 2), (4, 4)):
+    ckpt.save(step, state, {"best": _best(best, best / 10)})
+  ckpt.wait()
+  assert ckpt.steps() == [2, 3, 4] and ckpt.best == _best(4, 0.4)
+  assert ckpt.supersede(3) == [4]
+  assert ckpt.best == read_best(str(tmp_path)) == _best(2, 0.2)
+  ckpt.close()
+  other = Checkpointer(str(tmp_path / "b"), keep=2)
+  for step, best in ((1, 1), (2, 1), (3, 1), (4, 4)):
+    other.save(step, state, {"best": _best(best, best / 10)})
+  other.wait()
+  assert other.steps() == [3, 4]
+  assert other.supersede(3) == [4]  # step 3's best, step 1, went when step 4 became the best: none is named
+  assert other.best is None and read_best(str(tmp_path / "b")) is None
+  with pytest.raises(CheckpointError, match=r"^--step=best: .* holds no best checkpoint \(no best.json\)"):
+    other.resolve("best")
+  other.close()
+
+
+def test_step_values_and_init_from_references():
+  assert [step_arg(s) for s in ("7", "0", "best", "latest")] == [7, 0, "best", None]
+  for bad in ("-1", "last", "3.5"):
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^'{re.escape(bad)}' is not a checkpoint"):
+      step_arg(bad)
+  assert split_run("runs/a") == ("runs/a", None)
+  assert split_run("runs/a:best") == ("runs/a", "best")
+  assert split_run("/x/runs/a:12") == ("/x/runs/a", 12)
+  assert split_run("runs/a:b") == ("runs/a:b", None)

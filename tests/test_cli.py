@@ -213,3 +213,33 @@ def test_config_overrides_parse_as_their_field_and_name_it(capsys, tmp_path):
   assert err == "jaxrl-hex: error: --config.train.steps='many' is not a int (the field's default is 400)"
   err = _error(capsys, ["sft", f"--workdir={tmp_path}", "--config.sft.max_steps"])
   assert "--config.sft.max_steps needs a value" in err
+
+
+def test_sft_writes_a_summary_that_its_metrics_agree_with(warm_workdir):
+  summary = json.loads(open(os.path.join(warm_workdir, "summary.json")).read())
+  rows = read_jsonl(os.path.join(warm_workdir, "metrics.jsonl"))
+  evals = [r for r in rows if r.get("eval_accuracy") is not None]
+  assert summary["steps"] == rows[-1]["step"] > 0 and summary["eval_accuracy_end"] == evals[-1]["eval_accuracy"]
+  assert summary["eval_accuracy_start"] == evals[0]["eval_accuracy"] and summary["eval_accuracy_end"] >= 0.2
+  assert 0 < summary["seconds"] < summary["wall_seconds"]
+
+
+def test_closing_line_names_where_the_first_accuracy_was_measured():
+  from jaxrl_hex.commands import closing_line
+  rl = {"steps": 4, "eval_accuracy_start": 0.5, "eval_accuracy_end": 0.75, "wall_seconds": 12.0}
+  warm = dict(rl, warmstart={"eval_accuracy_end": 0.4}, resumed_from=None)
+  assert closing_line("train", warm) == "held-out accuracy 0.400 -> 0.750 (warm start -> end of RL), wall time 12s"
+  assert "0.500 -> 0.750 (resumed at step 6 -> end of RL)" in closing_line("train", dict(rl, resumed_from=6))
+  assert "0.500 -> 0.750 (start of RL -> end of RL)" in closing_line("train", dict(rl, warmstart=None))
+  assert "0.500 -> 0.750 (start -> end of SFT, 4 steps)" in closing_line("sft", rl)
+
+
+@pytest.mark.slow  # ~45 s on 2 cores: two train runs (the fast suite's resume test is the one above)
+def test_a_resumed_run_says_where_it_resumed(capsys, tmp_path, warm_workdir):
+  workdir = tmp_path / "run"
+  assert _train(workdir, *SMALL_FLAGS, f"--config.init_from={warm_workdir}", "--config.train.steps=1") == 0
+  capsys.readouterr()
+  assert _train(workdir, "--resume", "--config.train.steps=2") == 0
+  out = capsys.readouterr().out
+  assert "(resumed at step 1 -> end of RL)" in out and "warm start" not in out, out
+  assert json.loads((workdir / "summary.json").read_text())["resumed_from"] == 1

@@ -147,3 +147,22 @@ def test_the_train_pool_of_a_runtime_is_checked_when_built(tmp_path, monkeypatch
   rt.pool("rollout")  # only the train pool is checked
   with pytest.raises(UserError, match=r"^pools.train: the compiled train step needs .* device_type tiny-chip\)"):
     rt.pool("train")
+
+
+def test_the_trainer_runs_the_programs_the_preflight_compiled(pools, setup, caplog):
+  """The preflight's start pass and update are the trainer's own programs: with JAX's persistent
+  compilation cache (runtime.enable_compile_cache; this suite's is tests/conftest.py's) the
+  trainer's first step at the largest layout loads them instead of compiling them again."""
+  import logging
+  cfg, policy, _, _ = setup
+  pool = _pool_of_type(pools, "tiny-chip")
+  footprint.preflight(cfg, policy, pool, _tiny_catalog(1.0))
+  objective = make_rl_loss(cfg.algo, cfg.rollout.temperature)
+  tx = make_optimizer(cfg.optim, cfg.train.steps * cfg.algo.minibatches)  # as the run's trainer (cluster/local.py)
+  params = policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
+  trainer = Trainer(policy, pool, tx, objective, params, ref_params=params if cfg.algo.kl_coef > 0 else None)
+  with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+    trainer.step(footprint.full_batch(256, 64, 6, group_size=8))
+  hits = [r.getMessage() for r in caplog.records if "Persistent compilation cache hit for 'jit_run'" in r.getMessage()]
+  misses = [r.getMessage() for r in caplog.records if "CACHE MISS for 'jit_run'" in r.getMessage()]
+  assert len(hits) == 2 and not misses, (hits, misses)  # the start pass and the update

@@ -170,3 +170,43 @@ def test_quiet_progress_prints_nothing(monkeypatch):
     progress.update(step, row)
   progress.close("summary")
   assert out.getvalue() == "" and progress.last["step"] == 20 and progress.best_eval == 0.4
+
+
+def test_progress_toward_an_accuracy_target_claims_no_eta_to_the_step_cap(monkeypatch):
+  """The warm start stops at sft.target_accuracy, long before sft.max_steps: the line says the
+  step count is a cap, gives no percentage of it, and the time to it as an upper bound only."""
+  monkeypatch.delenv("JAXRL_HEX_QUIET", raising=False)
+  out = io.StringIO()
+  progress = Progress("warmstart", 3000, every=5, stream=out, target=("eval_accuracy", 0.4))
+  for step, row in _rows():
+    progress.update(step, row)
+  progress.close()
+  last = out.getvalue().splitlines()[-1]
+  assert last.startswith("warmstart 20 (up to 3000, stops at eval acc 0.400) elapsed "), last
+  assert "eta <= " in last and "%" not in last and "3000/" not in last and "20/3000" not in last
+  assert Progress("train", 20, stream=io.StringIO()).eta() == "?"  # no rate yet, no claim
+
+
+def test_progress_panel_toward_a_target_shows_the_target(monkeypatch):
+  monkeypatch.delenv("JAXRL_HEX_QUIET", raising=False)
+  out = _Terminal()
+  progress = Progress("warmstart", 3000, every=5, stream=out, target=("eval_accuracy", 0.4))
+  for step, row in _rows():
+    progress.update(step, row)
+  progress.close()
+  text = out.getvalue()
+  assert "up to 3000" in text and "stops at eval acc 0.400" in text and "20/3000" not in text
+
+
+@pytest.mark.slow  # ~35 s on 2 cores: the trainer's and the engine's compiles
+def test_sft_console_names_its_accuracy_target(tmp_path, capsys, monkeypatch):
+  """A real SFT run's progress lines (2 steps)."""
+  from support import SMALL, load_config
+
+  from jaxrl_hex import commands
+  monkeypatch.delenv("JAXRL_HEX_QUIET", raising=False)
+  cfg = load_config(**SMALL, **{"sft.max_steps": 2, "sft.eval_every": 2, "sft.target_accuracy": 0.9})
+  summary = commands.sft(cfg, str(tmp_path / "sft"))
+  lines = capsys.readouterr().out.splitlines()
+  assert any(line.startswith("sft 2 (up to 2, stops at eval acc 0.900)") for line in lines), lines
+  assert summary["steps"] == 2

@@ -69,7 +69,8 @@ def test_a_stuck_rollout_trips_the_watchdog_which_writes_stacks_and_stops_with_a
 
   monkeypatch.setattr(LocalRolloutSide, "generate", hangs_at_batch_3)
   with pytest.raises(RunStopped) as e:
-    _run(tmp_path, warm_workdir, **{"train.steps": 8, "train.max_staleness": 0, "train.watchdog_s": 10.0})
+    # 20 s: a first step's compile on a loaded machine must not look like the hang
+    _run(tmp_path, warm_workdir, **{"train.steps": 8, "train.max_staleness": 0, "train.watchdog_s": 20.0})
   message = str(e.value)
   assert "stopped by the watchdog: no train step or rollout batch for" in message
   assert "while waiting for batch 3 from the rollout side" in message and "at step 3 (checkpoint 3 written)" in message
@@ -115,3 +116,13 @@ def test_the_logprob_probe_catches_what_the_fingerprint_is_not_asked_to(tmp_path
   rows = [r for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if r.get("phase") == "train"]
   assert [r["step"] for r in rows] == [0, 1]  # step 2's row is never written: its probe stopped the run
   assert rows[1]["probe_gap"] < 1e-4
+
+
+def test_init_from_names_a_checkpoint_of_the_run(tmp_path, warm_workdir):
+  """init_from=WORKDIR:N starts from step N of that run; WORKDIR:best needs a run that kept one."""
+  from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
+  last = Checkpointer(os.path.join(warm_workdir, "checkpoints")).steps()[-1]
+  summary, rows, _, _ = _run(tmp_path, warm_workdir, **{"init_from": f"{warm_workdir}:{last}", "train.steps": 1})
+  assert [r["step"] for r in rows] == [0, 1] and summary["steps"] == 1
+  with pytest.raises(CheckpointError, match=f"init_from={warm_workdir}:best: .* holds no best checkpoint"):
+    _run(tmp_path / "b", warm_workdir, **{"init_from": f"{warm_workdir}:best", "train.steps": 1})

@@ -218,3 +218,22 @@ def test_replica_groups_that_the_runtime_cannot_run_fail_in_one_line(tmp_path):
   assert "plan.workload.batch_size must be a positive integer" in _one_line(MeshError, meshes.load_mesh_file, str(bad))
   bad.write_text(PLAN_FILE.replace("remat: dots", "remat: some"))
   assert "plan.train.remat='some' is not a valid model.remat" in _one_line(MeshError, meshes.load_mesh_file, str(bad))
+
+
+def test_every_runtime_turns_on_the_persistent_compilation_cache(monkeypatch):
+  """~/.cache/jaxrl_hex/xla unless JAX_COMPILATION_CACHE_DIR names a directory (JAX reads it itself)."""
+  import jax
+
+  from jaxrl_hex import runtime
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    jax.config.update("jax_compilation_cache_dir", None)
+    runtime.enable_compile_cache()
+    assert jax.config.jax_compilation_cache_dir == runtime.COMPILE_CACHE_DIR
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")  # the user's choice: off
+    jax.config.update("jax_compilation_cache_dir", "")
+    runtime.enable_compile_cache()
+    assert jax.config.jax_compilation_cache_dir == ""
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)

@@ -7,6 +7,7 @@ existing Ray cluster.
 On a pod slice every worker runs the same command and JAX finds its peers by itself
 (jax.distributed.initialize() reads the TPU metadata), so the command is the same on each.
 """
+import argparse
 import shlex
 import subprocess
 
@@ -46,20 +47,26 @@ def ray_command(address, command, working_dir) -> list[str]:
 
 
 def _parser():
-  parser = arguments.Parser("jaxrl-hex launch", "Run a jaxrl-hex command on a TPU pod slice or a Ray cluster.")
-  sub = parser.add_subparsers(dest="target", required=True)
-  tpu = sub.add_parser("tpu", help="every worker of a TPU VM pod slice")
-  tpu.add_argument("--name", required=True)
-  tpu.add_argument("--zone", required=True)
-  tpu.add_argument("--accelerator-type", required=True)
-  tpu.add_argument("--project", default="")
+  parser = arguments.Parser("jaxrl-hex launch", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="target", required=True, metavar="{tpu,ray}")
+  tpu = sub.add_parser("tpu", help="every worker of a TPU VM pod slice, over gcloud ssh")
+  tpu.add_argument("--name", required=True, help="the TPU VM (pod slice) name")
+  tpu.add_argument("--zone", required=True, help="its zone, e.g. us-east5-a")
+  tpu.add_argument("--accelerator-type", required=True, help="its type, e.g. v5p-32: the number of workers follows")
+  tpu.add_argument("--project", default="", help="Google Cloud project (default: gcloud's)")
   tpu.add_argument("--repo-dir", default="~/jaxrl_hex", help="where the repository is on the workers")
-  tpu.add_argument("--dry-run", action="store_true")
+  tpu.add_argument("--dry-run", action="store_true", help="print the gcloud commands instead of running them")
   ray = sub.add_parser("ray", help="an existing Ray cluster, as a Ray job")
   ray.add_argument("--address", required=True, help="the Ray dashboard / jobs address, e.g. http://HEAD:8265")
-  ray.add_argument("--working-dir", default=".")
-  ray.add_argument("--dry-run", action="store_true")
+  ray.add_argument("--working-dir", default=".", help="directory uploaded as the job's working directory")
+  ray.add_argument("--dry-run", action="store_true", help="print the ray job submit command instead of running it")
+  # `launch --help` shows both targets' flags: they are what a user needs, not just the target names
+  parser.epilog = "\n\n".join(f"launch {name}:\n" + _indent(p.format_help()) for name, p in sub.choices.items())
   return parser
+
+
+def _indent(text: str) -> str:
+  return "\n".join(f"  {line}".rstrip() for line in text.splitlines())
 
 
 def _launch(args, command) -> int:

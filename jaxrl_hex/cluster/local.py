@@ -5,7 +5,7 @@ import time
 
 import jax
 
-from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
+from jaxrl_hex.checkpoint import Checkpointer, CheckpointError, split_run
 from jaxrl_hex.config import resolve_path
 from jaxrl_hex.data.rollouts import select_rows
 from jaxrl_hex.evaluation import greedy_completions
@@ -41,11 +41,13 @@ class LocalTrainSide:
     params = rt.policy.init(cfg.seed, rt.shardings("train"))
     self.warmstart, self.meta = None, {}
     if cfg.init_from and not resume:
-      init_dir = os.path.join(resolve_path(cfg.init_from), "checkpoints")
+      init_run, init_step = split_run(cfg.init_from)  # WORKDIR, WORKDIR:best or WORKDIR:N
+      init_dir = os.path.join(resolve_path(init_run), "checkpoints")
       if not os.path.isdir(init_dir):
         raise CheckpointError(f"init_from: {cfg.init_from!r} has no checkpoints/ directory; "
                               "point it at the workdir of an sft or train run")
-      params = Checkpointer(init_dir).restore({"params": params}, with_meta=False)[0]["params"]
+      params = Checkpointer(init_dir).restore({"params": params}, init_step, with_meta=False,
+                                              field=f"init_from={cfg.init_from}")[0]["params"]
     elif cfg.get("model_dir") and not resume:  # a Hugging Face checkpoint, read onto the train pool
       params = load_params(resolve_path(cfg.model_dir), rt.policy.cfg, rt.shardings("train"))
     elif not resume:

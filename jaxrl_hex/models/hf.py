@@ -201,6 +201,25 @@ def save_hf(cfg, params, out_dir: str, source_dir: str | None = None, dtype: str
       shutil.copyfile(os.path.join(source_dir, name), os.path.join(out_dir, name))
 
 
+def generation_config(bos_id: int, eos_ids, pad_id: int, rollout=None, base: dict | None = None) -> dict:
+  """generation_config.json contents: the token ids the run's engine uses (a sequence ends at any
+  of eos_ids) and, from its rollout section, the sampling it trained under, so that
+  transformers' generate() stops and samples as the engine did. base: the source model's file,
+  whose other fields are kept. Stop strings are left out: generate() refuses them without a
+  tokenizer argument."""
+  eos = [int(i) for i in eos_ids]
+  out = dict(base or {}, bos_token_id=int(bos_id), eos_token_id=eos[0] if len(eos) == 1 else eos,
+             pad_token_id=int(pad_id))
+  if rollout is not None:
+    out["max_new_tokens"] = int(rollout.max_new_tokens)
+    if rollout.temperature > 0:  # top_k 0 and top_p 1 switch those filters off in transformers too
+      out.update(do_sample=True, temperature=float(rollout.temperature), top_k=int(rollout.top_k),
+                 top_p=float(rollout.top_p), min_p=float(rollout.min_p) or None)
+    else:
+      out.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+  return out
+
+
 def hf_model_config(model_dir: str, **overrides):
   """Our model config for a Hugging Face model directory; overrides (e.g. dtype) win."""
   return config_from_hf(read_config(model_dir), os.path.join(model_dir, "config.json"), **overrides)

@@ -6,7 +6,7 @@ import os
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from jaxrl_hex.errors import UserError
 
@@ -15,6 +15,8 @@ PAD, BOS, EOS = 0, 1, 2
 
 class CharTokenizer:
   pad_id, bos_id, eos_id = PAD, BOS, EOS
+  # How ids 0..2 are spelled in an exported tokenizer.json: no text a task's alphabet spells out
+  SPECIAL = ("<|pad|>", "<|bos|>", "<|eos|>")
 
   def __init__(self, alphabet: str):
     chars = sorted(set(alphabet))
@@ -40,6 +42,29 @@ class CharTokenizer:
       if i >= 3:  # ids past the alphabet (a model's padded vocab) read as U+FFFD, never as a digit
         out.append(self.chars[i - 3] if i - 3 < len(self.chars) else "\ufffd")
     return "".join(out)
+
+  def save_pretrained(self, out_dir: str):
+    """tokenizer.json + tokenizer_config.json that transformers.AutoTokenizer (and HFTokenizer) load
+    as this tokenizer: the same id for every character, and BOS put before each text, as the engine
+    puts it, so tokenizer(prompt) gives the ids the run's engine generated from."""
+    vocab = {t: i for i, t in enumerate(self.SPECIAL)} | {c: i + 3 for i, c in enumerate(self.chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")  # one piece per character
+    tok.decoder = decoders.Fuse()  # joined with no separator
+    tok.post_processor = processors.TemplateProcessing(single=f"{self.SPECIAL[BOS]} $A",
+                                                       special_tokens=[(self.SPECIAL[BOS], BOS)])
+    tok.add_special_tokens(list(self.SPECIAL))
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": self.SPECIAL[PAD],
+        "bos_token": self.SPECIAL[BOS],
+        "eos_token": self.SPECIAL[EOS],
+        "clean_up_tokenization_spaces": False
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+      json.dump(config, f, indent=2)
 
 
 class HFTokenizer:
@@ -86,6 +111,12 @@ class HFTokenizer:
   @property
   def vocab_size(self) -> int:
     return self._tok.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def adds_bos(self) -> bool:
+    """Whether tokenizer.json itself puts bos_id before a text, as transformers' tokenizer(text) then
+    does: the engine's prompts and a transformers user's are then the same ids."""
+    return self._tok.encode("a", add_special_tokens=True).ids[:1] == [self.bos_id]
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import pathlib
+import shlex
 
 import yaml
 
@@ -197,24 +198,32 @@ def _plan_parser():
   ap.add_argument("--objective", choices=allocate.OBJECTIVES, default="throughput")
   ap.add_argument("--min-throughput", type=float, default=0.0, help="generated tokens/s floor (for --objective cost)")
   ap.add_argument("--catalog", help="extra catalog YAML: overrides or adds device entries")
-  ap.add_argument("--out", help="plan mesh file to write (default: plan-NAME-MODEL.yaml next to the cluster file)")
+  ap.add_argument("--out", help="plan mesh file to write (default: plan-CLUSTER-MODEL.yaml in the current directory)")
   ap.add_argument("--json", action="store_true", help="print the plan file as JSON instead of text")
   return ap
 
 
-def _plan(args):
-  model_name, cfg = load_model(args.model)
-  cluster = allocate.load_cluster(args.cluster, args.catalog)
-  p = allocate.plan(cfg, cluster, args.objective, args.min_throughput, model_name)
+def make_plan(cluster_file, model, objective="throughput", min_throughput=0.0, catalog=None):
+  """What `plan` prints and writes: (plan, model name, cluster, homogeneous alternatives, budget)."""
+  model_name, cfg = load_model(model)
+  cluster = allocate.load_cluster(cluster_file, catalog)
+  p = allocate.plan(cfg, cluster, objective, min_throughput, model_name)
   budget = sum(cluster.catalog[k].price_per_hour * n for k, n in cluster.counts.items())
-  alternatives = allocate.homogeneous_alternatives(cfg, cluster, budget, args.objective, args.min_throughput,
-                                                   model_name)
+  alternatives = allocate.homogeneous_alternatives(cfg, cluster, budget, objective, min_throughput, model_name)
+  return p, model_name, cluster, alternatives, budget
+
+
+def _plan(args):
+  p, model_name, cluster, alternatives, budget = make_plan(args.cluster, args.model, args.objective,
+                                                           args.min_throughput, args.catalog)
   mesh = plan_to_mesh(p, model_name, cluster, alternatives)
-  cluster_path = pathlib.Path(args.cluster)
-  out = pathlib.Path(args.out or
-                     cluster_path.with_name(f"plan-{cluster_path.stem.removeprefix('cluster-')}-{model_name}.yaml"))
-  out.write_text(f"# Written by `jaxrl-hex plan --cluster {args.cluster} --model {args.model} "
-                 f"--objective {args.objective}`.\n" + yaml.safe_dump(mesh, sort_keys=False))
+  # the current directory, never beside the cluster file: that may be a checkout's meshes/ or read-only
+  out = pathlib.Path(args.out or f"plan-{pathlib.Path(args.cluster).stem.removeprefix('cluster-')}-{model_name}.yaml")
+  command = ["jaxrl-hex", "plan", "--cluster", args.cluster, "--model", args.model, "--objective", args.objective]
+  command += ["--min-throughput", f"{args.min_throughput:g}"] if args.min_throughput else []
+  command += ["--catalog", args.catalog] if args.catalog else []
+  out.write_text(f"# Written by `{shlex.join(command + ['--out', str(out)])}`.\n" +
+                 yaml.safe_dump(mesh, sort_keys=False))
   if args.json:
     print(json.dumps(mesh, indent=1))
   else:

@@ -11,6 +11,12 @@ from jaxrl_hex.planner import PlanError
 
 # Fraction of HBM the planner fills: the rest is XLA scratch, fragmentation and runtime buffers.
 MEMORY_HEADROOM = 0.9
+# The decode step's copies of one layer's keys and values per slot, in units of that layer's K + V:
+# XLA's memory analysis of the engine's decode program (fp32, where XLA:CPU keeps no upcast copies)
+# gives 1.50-1.51 for Qwen2-1.5B and -7B at 1.3k and 5k tokens per slot wherever the tensor degree
+# is below the KV heads (at one KV head per device XLA:CPU's fp32 program copies the whole cache:
+# benchmarks/README.md; benchmarks/compile_sizes.py --part decode).
+DECODE_KV_COPIES = 1.5
 # The train step's memory beyond its state, per device, fitted to XLA's compiled figures for the
 # real step (benchmarks/compile_sizes.py --part fit: Qwen2 1.5B, 7B and 14B and Llama-3.1-70B on 8
 # to 32 devices, 2k-16k tokens, tensor 1-4, each remat policy, with and without sequence
@@ -104,6 +110,7 @@ class ModelCost:
   """The shape facts the cost model needs, derived once from a model config."""
   params: int
   weight_bytes: float  # all parameters in param dtype
+  layer_weight_bytes: float  # one decoder layer's parameters in param dtype
   kv_bytes_token: int  # KV cache per token over all layers
   act_bytes: int  # activation dtype size
   n_layers: int
@@ -117,10 +124,12 @@ class ModelCost:
   @classmethod
   def from_config(cls, cfg) -> "ModelCost":
     act = dtype_bytes(cfg.dtype)
-    p = param_count(cfg)
-    return cls(params=p, weight_bytes=p * dtype_bytes(cfg.param_dtype), kv_bytes_token=kv_bytes_per_token(cfg, act),
-               act_bytes=act, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
-               n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, vocab=cfg.vocab_size)
+    p, pbytes = param_count(cfg), dtype_bytes(cfg.param_dtype)
+    layer = (p - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2) - cfg.d_model) / cfg.n_layers
+    return cls(params=p, weight_bytes=p * pbytes, layer_weight_bytes=layer * pbytes,
+               kv_bytes_token=kv_bytes_per_token(cfg, act), act_bytes=act, n_layers=cfg.n_layers, d_model=cfg.d_model,
+               n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
+               vocab=cfg.vocab_size)
 
   def attn_flops(self, tokens, context) -> float:
     """Forward attention-score FLOPs (QK^T and AV) for `tokens` each attending `context` keys."""
@@ -325,19 +334,28 @@ def prefill_time(m: ModelCost, dev, tensor: int, prompt_len: int) -> TimeParts:
   return TimeParts(roofline, comm, dev.rollout_eff, dev.decode_overhead_s)
 
 
+def decode_working_bytes(m: ModelCost, tensor: int, slots: int, span: int) -> float:
+  """What the engine's decode step holds per chip beside the weights and the KV cache: the layer
+  scan's copy of one layer's weights, and DECODE_KV_COPIES of one layer's keys and values over the
+  `span` tokens a decode call attends to, for every slot."""
+  return m.layer_weight_bytes / tensor + DECODE_KV_COPIES * slots * span * _kv_per_chip(m, tensor) / m.n_layers
+
+
 def replica(m: ModelCost, dev, tensor: int, w: Workload):
   """The replica of `tensor` chips of `dev`, or None when one max-length sequence does not fit.
 
   Slots are sized for mean-length sequences (paged KV pays for tokens actually held), while
-  feasibility demands room for one sequence of prompt + output_max.
+  feasibility demands room for one sequence of prompt + output_max; the decode step's working
+  set (decode_working_bytes) spans the longest sequence in flight, so it is sized for output_max.
   """
   if not tensor_shards(m, tensor) or tensor > dev.chips_per_host:
     return None
-  room = kv_capacity(m, dev, tensor)
-  kv = _kv_per_chip(m, tensor)
-  if room < kv * (w.prompt_len + w.output_max):
+  kv, span = _kv_per_chip(m, tensor), w.prompt_len + w.output_max
+  room = kv_capacity(m, dev, tensor) - decode_working_bytes(m, tensor, 0, span)
+  working = decode_working_bytes(m, tensor, 1, span) - decode_working_bytes(m, tensor, 0, span)  # per slot
+  if room < kv * span + working:
     return None
-  slots = int(min(w.max_concurrency, room // (kv * (w.prompt_len + w.output_mean))))
+  slots = int(min(w.max_concurrency, room // (kv * (w.prompt_len + w.output_mean) + working)))
   slots = max(slots, 1)
   context = w.prompt_len + w.output_mean / 2  # a running sequence is half-way on average
   one, full = (decode_time(m, dev, tensor, c, context).total_s for c in (1, slots))

@@ -93,8 +93,8 @@ class Trainer:
     metrics = []
     for m in range(layout.shape[0]):
       self.params, self.opt_state, self.critic_params, self.critic_opt_state, mm = self._update(
-          self.params, self.opt_state, self.critic_params, self.critic_opt_state, rows, data, jnp.int32(m),
-          jnp.int32(self.version), num_seqs=layout.slot.shape[0] + 1)
+          self.params, self.opt_state, self.critic_params, self.critic_opt_state, rows, data, self._i32(m),
+          self._i32(self.version), num_seqs=layout.slot.shape[0] + 1)
       metrics.append(mm)
     metrics = jax.device_get((start_metrics, metrics))
     out = {k: float(v) for k, v in metrics[0].items()}
@@ -109,7 +109,7 @@ class Trainer:
   def gradients(self, batch: TrainBatch):
     """(loss, policy grads) of the batch's first minibatch at the current params; no update."""
     layout, rows, data, _ = self._prepare(batch)
-    loss, grads, _ = self._gradients(self.params, self.critic_params, rows, data, jnp.int32(0), jnp.int32(self.version),
+    loss, grads, _ = self._gradients(self.params, self.critic_params, rows, data, self._i32(0), self._i32(self.version),
                                      num_seqs=layout.slot.shape[0] + 1)
     return loss, grads[0]
 
@@ -119,6 +119,11 @@ class Trainer:
     put = lambda x: jax.device_put(x, self.pool.replicated())
     scored = TrainBatch(tokens=put(batch.tokens), valid=put(batch.valid), loss_mask=put(batch.loss_mask))
     return np.asarray(jax.device_get(self._score(self.params, scored)[0]))
+
+  def _i32(self, value):
+    """A scalar argument replicated on the pool, as footprint.train_step compiles it, so the
+    preflight's compile of the update is this one (the persistent compilation cache's key)."""
+    return jax.device_put(jnp.int32(value), self.pool.replicated())
 
   def weights(self):
     return self.version, self.params

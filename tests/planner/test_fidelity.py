@@ -1,6 +1,7 @@
 """The planner against AReaL-Hex's published figures (benchmarks/published_areal_hex.yaml): where the
 runtime lets all 24 H800 train, its equal-budget gains fall within 6% of the paper's; docs/planner.md
-carries the table `python benchmarks/planner.py --part fidelity` prints."""
+carries the table `python benchmarks/planner.py --part fidelity` prints, and the example plans'
+figures as `jaxrl-hex plan` computes them now (docs/gen_planner.py)."""
 import importlib.util
 import os
 
@@ -33,3 +34,14 @@ def test_the_equal_budget_gains_at_384_sequences_are_the_papers(result):
 def test_docs_carry_the_fidelity_table(result):
   bench, fid = result
   assert bench.fidelity_table(fid) in open(os.path.join(ROOT, "docs", "planner.md")).read()
+
+
+def test_docs_quote_the_example_plans_as_the_planner_makes_them():
+  spec = importlib.util.spec_from_file_location("gen_planner", os.path.join(ROOT, "docs", "gen_planner.py"))
+  gen = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gen)
+  table = gen.render()
+  assert "| qwen2_7b | 16 H800, data 2 x fsdp 2 x tensor 4" in table  # the AReaL-Hex 7B row is there
+  assert table in open(
+      os.path.join(ROOT, "docs",
+                   "planner.md")).read(), ("docs/planner.md's plan figures are stale: run `python docs/gen_planner.py`")

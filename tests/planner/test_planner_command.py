@@ -13,7 +13,8 @@ workload: {batch_size: 8, group_size: 4, prompt_len: 512, output_len: {mean: 102
 """
 
 
-def test_plan_writes_runtime_mesh_file_and_simulate_reads_it(tmp_path, capsys):
+def test_plan_writes_runtime_mesh_file_and_simulate_reads_it(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # the plan goes to the current directory, not beside the cluster file
   cluster = tmp_path / "cluster-small.yaml"
   cluster.write_text(CLUSTER)
   assert plan_main(["--cluster", str(cluster), "--model", "qwen2_1_5b"]) == 0

@@ -33,12 +33,12 @@ def score(s, completions, answer="ok"):
 
 def test_hung_calls_are_killed_and_their_workers_replaced():
   s = scorer(timeout_s=1.0, workers=4)
-  completions = ["hang"] * 5 + ["ok", "no", "ok"]  # more hung calls than workers
-  t0 = time.monotonic()
+  first = {w.proc.pid for w in s._pool}
+  completions = ["hang"] * 5 + ["ok", "no", "ok"]  # more hung calls than workers: each one gets one
   np.testing.assert_array_equal(score(s, completions), [0, 0, 0, 0, 0, 1, 0, 1])
-  assert time.monotonic() - t0 < 6 and s.errors == 5
-  pids = [w.proc.pid for w in s._pool]
-  assert all(w.proc.is_alive() for w in s._pool) and len(set(pids)) == 4
+  assert s.errors == 5
+  pids = {w.proc.pid for w in s._pool}
+  assert all(w.proc.is_alive() for w in s._pool) and len(pids) == 4 and not pids & first  # every hung one replaced
   np.testing.assert_array_equal(score(s, ["ok"] * 6), [1] * 6)  # the replaced pool scores at full speed
   s.close()
   assert not s._pool
