@@ -175,6 +175,9 @@ HEADLINE = (("reward_mean", "reward", "{:.3f}"), ("eval_accuracy", "eval acc", "
             ("token_accuracy", "token acc", "{:.3f}"), ("staleness_mean", "staleness", "{:.2f}"),
             ("rollout_tokens_per_s", "rollout tok/s", "{}"), ("train_tokens_per_s", "train tok/s",
                                                               "{}"), ("sync_seconds", "sync", "{}"))
+# Faults shown as soon as they happen, beside the headline: (row key, label) of counts the rows carry
+# cumulatively; updates skipped for a non-finite loss or gradient are summed from each row's count.
+FAULTS = (("reward_errors", "reward errors"), ("rollout_restarts", "replica restarts"))
 
 
 def _si(x: float) -> str:
@@ -216,6 +219,7 @@ class Progress:
     self.quiet = bool(os.environ.get("JAXRL_HEX_QUIET"))
     self.last = {}
     self.best_eval = None
+    self.skipped = 0  # updates skipped for a non-finite loss or gradient, over the phase
     self.t0 = time.time()
     self._times = collections.deque(maxlen=self.WINDOW + 1)  # (time, step)
     self._printed = 0  # the step of the last plain line
@@ -225,8 +229,11 @@ class Progress:
       self.live.start()
 
   def update(self, step: int, row: dict):
+    faults = self.faults()
     self.last.update({k: v for k, v in row.items() if v is not None})
     self.last["step"] = step
+    self.skipped += int(row.get("nonfinite_updates") or 0)
+    news = self.faults() != faults  # a new fault gets its line now, not at the next `every`
     self._times.append((time.time(), step))
     if row.get("eval_accuracy") is not None:
       self.best_eval = max(self.best_eval or 0.0, row["eval_accuracy"])
@@ -235,7 +242,7 @@ class Progress:
     if self.live is not None:
       self.live.update(self._render())
     elif (step // self.every > self._printed // self.every or step == self.total or
-          row.get("eval_accuracy") is not None):  # steps may jump (generate counts samples)
+          row.get("eval_accuracy") is not None or news):  # steps may jump (generate counts samples)
       self._printed = step
       print(self.line(), file=self.stream, flush=True)
 
@@ -259,8 +266,13 @@ class Progress:
     label, fmt = next(((label, fmt) for k, label, fmt in HEADLINE if k == key), (key, "{:.3f}"))
     return f"stops at {label} {fmt.format(value)}"
 
+  def faults(self) -> list:
+    """(label, count) of the faults so far: reward errors, replica restarts, skipped updates."""
+    out = [(label, int(self.last[key])) for key, label in FAULTS if self.last.get(key)]
+    return out + ([("skipped updates", self.skipped)] if self.skipped else [])
+
   def figures(self):
-    """(label, text) pairs for the headline keys present."""
+    """(label, text) pairs for the headline keys present, then the faults so far."""
     out = []
     for key, label, fmt in HEADLINE:
       if key in self.last and isinstance(self.last[key], numbers.Real):
@@ -270,7 +282,7 @@ class Progress:
         if key == "staleness_mean" and "staleness_max" in self.last:
           text += f" (max {self.last['staleness_max']})"
         out.append((label, text))
-    return out
+    return out + [(label, str(count)) for label, count in self.faults()]
 
   def line(self) -> str:
     step = self.last.get("step", 0)

@@ -210,3 +210,32 @@ def test_sft_console_names_its_accuracy_target(tmp_path, capsys, monkeypatch):
   lines = capsys.readouterr().out.splitlines()
   assert any(line.startswith("sft 2 (up to 2, stops at eval acc 0.900)") for line in lines), lines
   assert summary["steps"] == 2
+
+
+def test_faults_show_in_the_progress_line_when_they_happen(monkeypatch):
+  """Reward errors, replica restarts and skipped updates get a line at once (not at the next
+  `every`) and stay in every line after it."""
+  monkeypatch.delenv("JAXRL_HEX_QUIET", raising=False)
+  out = io.StringIO()
+  progress = Progress("train", 100, every=50, stream=out)
+  rows = [{
+      "reward_errors": 0
+  }, {
+      "reward_errors": 3
+  }, {
+      "reward_errors": 3,
+      "nonfinite_updates": 1
+  }, {
+      "reward_errors": 3,
+      "nonfinite_updates": 0
+  }, {
+      "reward_errors": 3,
+      "rollout_restarts": 1
+  }]
+  for step, row in enumerate(rows, 1):
+    progress.update(step, row)
+  lines = out.getvalue().splitlines()
+  assert [line.split()[1] for line in lines] == ["2/100", "3/100", "5/100"]  # steps 1 and 4 brought no new fault
+  assert lines[0].endswith("| reward errors 3")
+  assert lines[1].endswith("| reward errors 3 | skipped updates 1")
+  assert lines[2].endswith("| reward errors 3 | replica restarts 1 | skipped updates 1")
