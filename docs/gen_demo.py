@@ -2,7 +2,8 @@
 quotes are a run's, not a memory of one:
 
   jaxrl-hex train --workdir=runs/demo                  # the README's main command (embedded default)
-  python docs/gen_demo.py --workdir=runs/demo [--note="quiet machine"]   # docs/demo_summary.json + README
+  jaxrl-hex train --config=configs/arith_grpo_lora.py --workdir=runs/demo_lora   # the same with LoRA
+  python docs/gen_demo.py --workdir=runs/demo --lora-workdir=runs/demo_lora [--note="quiet machine"]
 
 The run's figures go to docs/demo_summary.json (committed), and the table between the markers in
 README.md is rendered from that file; tests/test_docs.py checks the two agree, and a slow test
@@ -19,6 +20,9 @@ README = os.path.join(ROOT, "README.md")
 SUMMARY = os.path.join(ROOT, "docs", "demo_summary.json")
 BEGIN = "<!-- demo table: written by `python docs/gen_demo.py --workdir=RUN` from docs/demo_summary.json -->"
 END = "<!-- end of demo table -->"
+LORA_BEGIN = ("<!-- LoRA demo table: written by `python docs/gen_demo.py --lora-workdir=RUN` from "
+              "docs/demo_summary.json -->")
+LORA_END = "<!-- end of LoRA demo table -->"
 
 
 def figures(workdir: str) -> dict:
@@ -29,7 +33,9 @@ def figures(workdir: str) -> dict:
     rows = [r for r in map(json.loads, filter(str.strip, f)) if r.get("phase") == "train" and "staleness_mean" in r]
   if not summary.get("warmstart") or not rows:
     raise SystemExit(f"{workdir}: not a finished run of the demo (it needs the warm start and RL steps)")
+  rl_seconds = [r["wall_s"] for r in rows]
   return {
+      "rl_seconds": round(rl_seconds[-1] - rl_seconds[0]),
       "warmstart_steps": summary["warmstart"]["steps"],
       "accuracy_warmstart": round(summary["warmstart"]["eval_accuracy_end"], 3),
       "rl_steps": summary["steps"],
@@ -59,21 +65,55 @@ def render(demo: dict) -> str:
   return "\n".join([BEGIN, "", head, "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + ["", END])
 
 
+def render_lora(demo: dict) -> str:
+  """The README's LoRA table: the same warm start, then RL with full weights or rank-r adapters."""
+  full, lora = demo, demo["lora"]
+  gain = lambda d: f"{d['accuracy_end']:.3f} ({round(100 * (d['accuracy_end'] - d['accuracy_warmstart'])):+d} points)"
+  rows = [
+      ("held-out accuracy after the warm start", f"{full['accuracy_warmstart']:.3f}",
+       f"{lora['accuracy_warmstart']:.3f}"),
+      (f"after {full['rl_steps']} RL steps", gain(full), gain(lora)),
+      ("RL phase wall time (first to last RL step)", _duration(full["rl_seconds"]), _duration(lora["rl_seconds"])),
+      ("trained parameters", f"{full['trained_params']:,}", f"{lora['trained_params']:,} (rank {lora['lora_rank']})"),
+  ]
+  head = (f"| {demo['date']}, {demo['machine']} | full weights (`jaxrl-hex train`) | "
+          "LoRA (`configs/arith_grpo_lora.py`) |")
+  return "\n".join([LORA_BEGIN, "", head, "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows] +
+                   ["", LORA_END])
+
+
 def rewrite(text: str, demo: dict) -> str:
-  head, found, rest = text.partition(BEGIN)
-  if not found or END not in rest:
-    raise SystemExit(f"{README} has no `{BEGIN}` ... `{END}` block to rewrite")
-  return head + render(demo) + rest.split(END, 1)[1]
+  for begin, end, table in ((BEGIN, END, render(demo)), (LORA_BEGIN, LORA_END, render_lora(demo))):
+    head, found, rest = text.partition(begin)
+    if not found or end not in rest:
+      raise SystemExit(f"{README} has no `{begin}` ... `{end}` block to rewrite")
+    text = head + table + rest.split(end, 1)[1]
+  return text
+
+
+def trained_params(workdir: str) -> tuple:
+  """(parameters the run trained, its LoRA rank) from its config.json."""
+  import jax
+
+  from jaxrl_hex.config import read_run_config
+  from jaxrl_hex.models.config import model_config
+  from jaxrl_hex.models.policy import Policy
+  policy = Policy.build(model_config(**read_run_config(workdir).model))
+  return sum(s.size for s in jax.tree.leaves(policy.split(policy.shapes())[0])), policy.cfg.lora.rank
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--workdir", required=True, help="a finished `jaxrl-hex train` run of the README's main command")
+  ap.add_argument("--lora-workdir", required=True, help="a finished run of configs/arith_grpo_lora.py, same machine")
   ap.add_argument("--note", default="2 CPU cores", help="the machine and its load, as the table's header says it")
   args = ap.parse_args(argv)
   sys.path.insert(0, ROOT)
   from jaxrl_hex import __version__
   demo = dict(figures(args.workdir), date=datetime.date.today().isoformat(), version=__version__, machine=args.note)
+  demo["trained_params"] = trained_params(args.workdir)[0]
+  demo["lora"] = figures(args.lora_workdir)
+  demo["lora"]["trained_params"], demo["lora"]["lora_rank"] = trained_params(args.lora_workdir)
   with open(SUMMARY, "w") as f:
     json.dump(demo, f, indent=2)
     f.write("\n")

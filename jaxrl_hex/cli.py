@@ -20,7 +20,8 @@ commands:
             greedy, and pass@k / mean@k with --samples=k
   report    figures and a markdown summary of runs: jaxrl-hex report WORKDIR [WORKDIR...]
   launch    run a command on every worker of a TPU pod slice, or as a job on a Ray cluster
-  convert   Hugging Face model dir <-> Orbax run: --from-hf=DIR --out=RUN | --to-hf=RUN --out=DIR
+  convert   Hugging Face model dir <-> Orbax run: --from-hf=DIR --out=RUN | --to-hf=RUN --out=DIR;
+            LoRA adapters as PEFT: --to-peft=RUN --out=DIR | --from-peft=DIR --base=MODEL_DIR --out=RUN
 
 exit codes: 0 done, 2 bad input (one line naming the field and the fix), 3 a run stopped that
 --resume continues

@@ -17,6 +17,7 @@ import ml_collections
 from absl import logging as absl_logging
 
 from jaxrl_hex import arguments
+from jaxrl_hex.base_weights import check_base_source, first_weights
 from jaxrl_hex.checkpoint import Checkpointer, CheckpointError
 from jaxrl_hex.cluster import build_sides, check_config
 from jaxrl_hex.config import (
@@ -24,7 +25,6 @@ from jaxrl_hex.config import (
     base_config,
     load_config_file,
     read_run_config,
-    resolve_path,
     write_run_config,
 )
 from jaxrl_hex.errors import UserError
@@ -32,7 +32,6 @@ from jaxrl_hex.gin_config import apply_gin
 from jaxrl_hex.meshes import prepare_cpu_devices
 from jaxrl_hex.metrics import Recorder
 from jaxrl_hex.models.families import EXECUTION_FIELDS
-from jaxrl_hex.models.hf import load_params
 from jaxrl_hex.orchestrator import Orchestrator
 from jaxrl_hex.runtime import build_runtime, load_mesh
 from jaxrl_hex.sft import run_sft
@@ -84,11 +83,11 @@ def sft(cfg, workdir, resume=False):
   if resume:
     raise UserError("sft --resume: a supervised run restarts from scratch; drop --resume or use a new --workdir")
   t0 = time.time()
+  check_base_source(cfg)  # before the runtime: it reads the task and builds the model
   rt = build_runtime(cfg)
   ckpt_dir = _prepare_workdir(cfg, workdir, resume=False)
   recorder = Recorder(workdir, config=cfg)
-  params = (load_params(resolve_path(cfg.model_dir), rt.policy.cfg, rt.shardings("train"))
-            if cfg.get("model_dir") else rt.policy.init(cfg.seed, rt.shardings("train")))
+  params, _ = first_weights(rt, workdir, False, recorder, warm_start=False)
   checkpointer = Checkpointer(ckpt_dir, cfg.train.keep_checkpoints)
   _, summary = run_sft(rt, params, recorder, checkpointer)
   checkpointer.close()
@@ -296,15 +295,18 @@ def _new_config(args, overrides, use_gin):
 
 
 def _apply_plan(cfg, mesh_file, overrides, args, use_gin):
-  """A plan's batch, remat and micro-batch become the run's, unless the user set the field
-  (runtime.validate names it). A resumed run has them in its saved config already."""
+  """A plan's batch, remat, micro-batch and LoRA adapters become the run's, unless the user set the
+  field (runtime.validate names it). A resumed run has them in its saved config already."""
   plan = {f"rollout.{field}": mesh_file.workload[key] for key, field in PLAN_WORKLOAD if mesh_file.workload}
   plan.update(mesh_file.train_knobs)
   overridden = {k for k, _ in overrides}
   for field, value in plan.items():
     if field not in overridden:
-      section, key = field.split(".")
-      cfg[section][key] = value
+      *sections, key = field.split(".")
+      node = cfg
+      for section in sections:
+        node = node[section]
+      node[key] = value
   if plan and use_gin:  # gin bindings win over the plan too
     apply_gin(cfg, args.gin_file, args.gin_bindings)
 

@@ -56,7 +56,10 @@ def base_config() -> ml_collections.ConfigDict:
           steps_per_sync=16,
           memory_budget_gb=0.0,
           kv_page_size=0,
-          kv_blocks=0))
+          kv_blocks=0,
+          # with LoRA (model.lora.rank > 0): unmerged = the engine applies the adapters beside the base,
+          # merged = each version is folded into a copy of the targeted weights (sync/adapters.py)
+          lora_serving="unmerged"))
 
   # The RL algorithm (jaxrl_hex/rl): pieces by registered name, presets in configs/{grpo,dapo,ppo,...}.py
   c.algo = ml_collections.ConfigDict(
@@ -158,6 +161,8 @@ FIELD_CHECKS = {
     "rollout.max_prompt_len": (lambda v: v >= 1, ">= 1", "the longest prompt in tokens, BOS included"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]", "nucleus sampling's probability mass; 1.0 = off"),
     "rollout.top_k": (lambda v: v >= 0, ">= 0", "sample among the k likeliest tokens; 0 = off"),
+    "rollout.lora_serving": (lambda v: v in ("unmerged", "merged"), "unmerged or merged", "how the engine applies "
+                             "LoRA adapters: beside the base, or folded into a copy of the targeted weights"),
     "rollout.min_p": (lambda v: 0 <= v < 1, "in [0, 1)", "drop tokens under min_p x the likeliest's probability; "
                       "0 = off"),
 }

@@ -1,17 +1,23 @@
-"""jaxrl-hex convert: Hugging Face model directories <-> our runs, both ways.
+"""jaxrl-hex convert: Hugging Face model directories and PEFT adapters <-> our runs, both ways.
 
   jaxrl-hex convert --from-hf=/models/Qwen2.5-Math-1.5B --out=runs/qwen   # Orbax checkpoint + config.json
   jaxrl-hex train --config=configs/gsm8k_grpo.py --config.model_dir=/models/Qwen2.5-Math-1.5B \\
       --config.init_from=runs/qwen ...
-  jaxrl-hex convert --to-hf=runs/gsm8k --out=runs/gsm8k/hf [--step=N] [--dtype=bfloat16] [--force]
+  jaxrl-hex convert --to-hf=runs/gsm8k --out=runs/gsm8k/hf [--step=N|best] [--dtype=bfloat16] [--force]
+  jaxrl-hex convert --to-peft=runs/lora --out=runs/lora/adapter [--step=N|best]
+  jaxrl-hex convert --from-peft=/adapters/math --base=/models/Qwen2.5-Math-1.5B --out=runs/math
 
 --from-hf writes a directory shaped like a run (config.json + checkpoints/0), so --config.init_from,
 `generate --workdir` and `convert --to-hf` all take it. --to-hf exports a run's latest (or --step)
 params as a directory that transformers.AutoModelForCausalLM / AutoTokenizer and vLLM load: the
-weights, config.json (the source model's fields kept), the tokenizer the run read its task with
-(the source model's files and chat template, or the built-in character tokenizer as a
-tokenizer.json) and a generation_config.json with the run's token ids and sampling, so greedy
-generate() continues a prompt as the run's engine does.
+weights (a LoRA run's adapters folded into its base: W + (alpha / r) A B), config.json (the source
+model's fields kept), the tokenizer the run read its task with (the source model's files and chat
+template, or the built-in character tokenizer as a tokenizer.json) and a generation_config.json
+with the run's token ids and sampling, so greedy generate() continues a prompt as the run's engine
+does. --to-peft exports a LoRA run's adapters alone as a PEFT directory (adapter_config.json +
+adapter_model.safetensors) that peft.PeftModel.from_pretrained(base, DIR) loads on the run's base;
+--from-peft writes such an adapter on its base model as a LoRA run's checkpoint 0, which `eval`,
+`generate` and `convert --to-hf` take.
 """
 import glob
 import json
@@ -22,14 +28,17 @@ import shutil
 import jax
 
 from jaxrl_hex import arguments, meshes
+from jaxrl_hex.base_weights import BASE_RECORD, read_record, restore_run, write_record
 from jaxrl_hex.checkpoint import Checkpointer, CheckpointError, step_arg
 from jaxrl_hex.config import base_config, read_run_config, resolve_path, write_run_config
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.generate import saved_step
 from jaxrl_hex.models.config import model_config
-from jaxrl_hex.models.hf import TOKENIZER_FILES, generation_config, hf_model_config, load_params, save_hf
+from jaxrl_hex.models.hf import TOKENIZER_FILES, generation_config, hf_model_config, load_params
+from jaxrl_hex.models.peft import load_peft, lora_config_from_peft, save_merged_hf, save_peft
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.tokenizer import CharTokenizer, HFTokenizer
+from jaxrl_hex.sync.fingerprint import fingerprint
 from jaxrl_hex.tasks import load_task
 
 # Weight dtypes that both our models and Hugging Face loaders (transformers, vLLM) take
@@ -40,41 +49,101 @@ def _parser():
   ap = arguments.Parser("jaxrl-hex convert", __doc__.splitlines()[0])
   way = ap.add_mutually_exclusive_group(required=True)
   way.add_argument("--from-hf", metavar="MODEL_DIR", help="a Hugging Face model directory to read")
-  way.add_argument("--to-hf", metavar="WORKDIR", help="a train / sft run (or a --from-hf output) to export")
+  way.add_argument("--to-hf", metavar="WORKDIR",
+                   help="a train / sft run (or a --from-hf / --from-peft output) to export; a LoRA run merged")
+  way.add_argument("--to-peft", metavar="WORKDIR", help="a LoRA run (model.lora.rank > 0) whose adapters to export")
+  way.add_argument("--from-peft", metavar="ADAPTER_DIR", help="a PEFT LoRA adapter directory to read (with --base)")
+  ap.add_argument("--base", metavar="MODEL_DIR", default=None,
+                  help="--from-peft: the Hugging Face model the adapter was trained on")
   ap.add_argument("--out", required=True, help="directory to write")
-  ap.add_argument("--dtype", default=None, help="weights' dtype in the output (default: as stored)")
-  ap.add_argument("--step", type=step_arg, default=None,
-                  help="--to-hf: checkpoint step, or best (train.keep_best's best evaluation); default: the latest")
-  ap.add_argument("--force", action="store_true", help="--to-hf: write into a non-empty --out, replacing its model")
-  ap.add_argument("--mesh-file", default=None,
-                  help="--from-hf: place the weights on this mesh file's train pool (default: one device)")
+  ap.add_argument("--dtype", default=None,
+                  help="weights' dtype in the output (default: as stored; --to-peft writes float32)")
+  ap.add_argument(
+      "--step", type=step_arg, default=None,
+      help="--to-hf / --to-peft: checkpoint step, or best (train.keep_best's best evaluation); default: "
+      "the latest")
+  ap.add_argument("--force", action="store_true",
+                  help="--to-hf / --to-peft: write into a non-empty --out, replacing its model")
+  ap.add_argument(
+      "--mesh-file", default=None,
+      help="--from-hf / --from-peft: place the weights on this mesh file's train pool (default: one "
+      "device)")
   return ap
 
 
 def from_hf(model_dir: str, out: str, dtype=None, mesh_file=None):
+  _check_no_checkpoints(out)
+  model_dir = os.path.abspath(resolve_path(model_dir))
+  cfg = _hf_config(model_dir, "--from-hf", dtype)
+  policy = Policy.build(cfg)
+  params = load_params(model_dir, cfg, _shardings(policy, mesh_file))
+  _write_run(cfg, model_dir, out, params, model_dir)
+  print(f"wrote {out}; start a run from it: jaxrl-hex train --config.model_dir={shlex.quote(model_dir)} "
+        f"--config.init_from={shlex.quote(out)}")
+
+
+def from_peft(adapter_dir: str, base_dir: str, out: str, dtype=None, mesh_file=None):
+  """A PEFT adapter on its base model as a LoRA run: config.json (model = the base's, model.lora =
+  the adapter's), checkpoints/0 holding the adapters, and checkpoints/lora_base.json naming the
+  base with its fingerprint, as a LoRA run started from model_dir records it."""
+  _check_no_checkpoints(out)
+  base_dir = os.path.abspath(resolve_path(base_dir))
+  try:
+    settings = lora_config_from_peft(adapter_dir)
+  except UserError as e:
+    raise UserError(f"--from-peft: {e}") from None
+  cfg = _hf_config(base_dir, "--base", dtype, lora=settings)
+  policy = Policy.build(cfg)
+  shardings = _shardings(policy, mesh_file)
+  try:
+    adapters = load_peft(adapter_dir, cfg, shardings)
+  except UserError as e:  # names model_dir: here that is --base
+    raise UserError(f"--from-peft on --base={base_dir}: {e}") from None
+  # the base as a resume, eval or convert --to-hf will load it again (base_weights.load_base)
+  base_params = load_params(base_dir, policy.base().cfg, policy.split(shardings)[1])
+  _write_run(cfg, base_dir, out, adapters, adapter_dir)
+  write_record(os.path.join(out, "checkpoints", BASE_RECORD), {
+      "model_dir": base_dir,
+      "fingerprint": fingerprint(base_params)
+  })
+  print(f"wrote {out}: the adapter (rank {settings['rank']} on {', '.join(settings['targets'])}) on {base_dir} as "
+        f"a LoRA run's checkpoint 0; jaxrl-hex eval / generate --workdir={shlex.quote(out)} and convert "
+        f"--to-hf={shlex.quote(out)} take it")
+
+
+def _check_no_checkpoints(out: str):
   ckpt_dir = os.path.join(out, "checkpoints")
   if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
     raise CheckpointError(f"--out: {out} already holds checkpoints; pick an empty directory")
-  model_dir = os.path.abspath(resolve_path(model_dir))
+
+
+def _hf_config(model_dir: str, field: str, dtype=None, **overrides):
   try:
-    cfg = hf_model_config(model_dir, **({"param_dtype": dtype} if dtype else {}))
+    return hf_model_config(model_dir, **overrides, **({"param_dtype": dtype} if dtype else {}))
   except UserError as e:  # it names the directory; name the flag too
-    raise UserError(f"--from-hf: {e}") from None
-  policy = Policy.build(cfg)
+    raise UserError(f"{field}: {e}") from None
+
+
+def _shardings(policy, mesh_file):
+  """The policy's params on mesh_file's train pool, or all on the first device."""
   if mesh_file:
-    shardings = _train_pool(mesh_file).shardings_for(policy.logical_axes(), policy.shapes())
-  else:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: device, policy.shapes())
-  params = load_params(model_dir, cfg, shardings)
+    return _train_pool(mesh_file).shardings_for(policy.logical_axes(), policy.shapes())
+  return _one_device(policy)
+
+
+def _one_device(policy):
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda _: device, policy.shapes())
+
+
+def _write_run(cfg, model_dir: str, out: str, params, source: str):
+  """config.json of a run on model_dir and checkpoints/0 holding `params` (a converted step)."""
   run = base_config()
   run.model, run.model_dir = cfg, model_dir
   write_run_config(run, out)
-  checkpointer = Checkpointer(ckpt_dir, keep=1)
-  checkpointer.save(0, {"params": params}, {"phase": "convert", "source": model_dir})
+  checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=1)
+  checkpointer.save(0, {"params": params}, {"phase": "convert", "source": source})
   checkpointer.close()
-  print(f"wrote {out}; start a run from it: jaxrl-hex train --config.model_dir={shlex.quote(model_dir)} "
-        f"--config.init_from={shlex.quote(out)}")
 
 
 def to_hf(workdir: str, out: str, dtype=None, step=None, force=False):
@@ -85,14 +154,12 @@ def to_hf(workdir: str, out: str, dtype=None, step=None, force=False):
   tokenizer, note = run_tokenizer(run, source)  # before any weight is read: a task that does not load stops here
   cfg = model_config(**run.model)
   policy = Policy.build(cfg)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  like = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), policy.shapes())
-  params, meta = Checkpointer(ckpt_dir).restore({"params": like}, step)
+  params, meta = restore_run(policy, ckpt_dir, step, _one_device(policy), f"--to-hf={workdir}")
   if force:  # shards of an earlier export that this one does not rewrite would load with it
     for pattern in ("*.safetensors", "*.safetensors.index.json"):
       for stale in glob.glob(os.path.join(out, pattern)):
         os.remove(stale)
-  save_hf(cfg, params["params"], out, source, dtype)
+  save_merged_hf(cfg, params, out, source, dtype)  # a LoRA run's adapters folded in, else as saved
   if isinstance(tokenizer, CharTokenizer):
     tokenizer.save_pretrained(out)
   elif isinstance(tokenizer, HFTokenizer) and not source:  # a user task's own tokenizer directory
@@ -108,6 +175,51 @@ def to_hf(workdir: str, out: str, dtype=None, step=None, force=False):
       json.dump(generation_config(tokenizer.bos_id, eos_ids, tokenizer.pad_id, rollout, base), f, indent=2)
   print(f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}) loads it")
   print(note)
+
+
+def to_peft(workdir: str, out: str, step=None, force=False):
+  """A LoRA run's adapters at `step` as a PEFT directory, naming its base where that is a Hugging
+  Face model."""
+  run = read_run_config(workdir, "--to-peft")
+  cfg = model_config(**run.model)
+  if not cfg.lora.rank:
+    raise UserError(f"--to-peft: {workdir} trained whole weights (model.lora.rank=0), not LoRA adapters; export it "
+                    f"with --to-hf={workdir}, or train adapters with --config.model.lora.rank=16 (say)")
+  _check_out(workdir, out, force)
+  ckpt_dir = saved_step(workdir, step, "--to-peft")
+  policy = Policy.build(cfg)
+  record = read_record(os.path.join(ckpt_dir, BASE_RECORD))
+  # the adapters alone: the base, which may be large, is not read
+  like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), policy.shapes(),
+                      _one_device(policy))
+  adapters = Checkpointer(ckpt_dir).restore({"params": policy.split(like)[0]}, step, with_meta=False,
+                                            field=f"--to-peft={workdir}")[0]["params"]
+  hf_base = _hf_base(record)
+  save_peft(cfg, adapters, out, base_model_name_or_path=hf_base or "")
+  where = f"the Hugging Face model {hf_base}" if hf_base else _checkpoint_base(record)
+  print(f"wrote {out}: peft.PeftModel.from_pretrained(base, {out!r}) loads it on the run's base, {where}")
+
+
+def _hf_base(record: dict) -> str | None:
+  """The Hugging Face model directory a LoRA run's base is, if it is one: the record's model_dir, or
+  the model a `convert --from-hf` copy (the run's init_from) was read from."""
+  if "model_dir" in record:
+    return os.path.abspath(resolve_path(record["model_dir"]))
+  if not os.path.isdir(record["checkpoint"]):
+    return None
+  meta = Checkpointer(record["checkpoint"]).meta(record["step"])
+  source = meta.get("source", "") if meta.get("phase") == "convert" else ""
+  return source if os.path.isfile(os.path.join(source, "config.json")) else None
+
+
+def _checkpoint_base(record: dict) -> str:
+  """A base that is a run's checkpoint, as a phrase saying how to get it as a Hugging Face model."""
+  run, step = os.path.dirname(record["checkpoint"]), record["step"]
+  if os.path.basename(record["checkpoint"]) == "checkpoints" and os.path.isfile(os.path.join(run, "config.json")):
+    return f"step {step} of the run {run}: export it with jaxrl-hex convert --to-hf={shlex.quote(run)} --step={step}"
+  return (f"checkpoint {step} of {record['checkpoint']}, the run's warm start, which convert does not export; for an "
+          "adapter to use outside jaxrl-hex, train on --config.model_dir or --config.init_from=RUN (--to-hf exports "
+          "that run)")
 
 
 def run_tokenizer(run, source):
@@ -158,12 +270,26 @@ def _convert(args):
   if args.dtype is not None and args.dtype not in DTYPES:
     raise UserError(f"--dtype={args.dtype!r} is not a weight dtype we convert to; use one of {', '.join(DTYPES)}, "
                     "or drop --dtype to keep the stored one")
-  if args.from_hf and args.step is not None:
-    raise UserError(f"--step={args.step} picks the checkpoint --to-hf exports; --from-hf writes step 0, drop --step")
-  if args.from_hf and args.force:
-    raise UserError("--force: --from-hf never writes over a run's checkpoints; drop --force and pick an empty --out")
+  reads = "--from-hf" if args.from_hf else "--from-peft" if args.from_peft else None
+  if reads and args.step is not None:
+    raise UserError(f"--step={args.step} picks the checkpoint --to-hf / --to-peft export; {reads} writes step 0, "
+                    "drop --step")
+  if reads and args.force:
+    raise UserError(f"--force: {reads} never writes over a run's checkpoints; drop --force and pick an empty --out")
+  if args.to_peft and args.dtype is not None:
+    raise UserError(f"--dtype={args.dtype}: --to-peft writes the adapters in float32, as peft saves them; drop --dtype")
+  if args.base is not None and not args.from_peft:
+    raise UserError(f"--base={args.base} names the model a --from-peft adapter sits on; drop it, or add "
+                    "--from-peft=ADAPTER_DIR")
+  if args.from_peft and args.base is None:
+    raise UserError("--from-peft needs --base=MODEL_DIR, the Hugging Face model the adapter was trained on (its "
+                    "adapter_config.json names it as base_model_name_or_path)")
   if args.from_hf:
     from_hf(args.from_hf, args.out, args.dtype, args.mesh_file)
+  elif args.from_peft:
+    from_peft(args.from_peft, args.base, args.out, args.dtype, args.mesh_file)
+  elif args.to_peft:
+    to_peft(args.to_peft, args.out, args.step, args.force)
   else:
     to_hf(args.to_hf, args.out, args.dtype, args.step, args.force)
 

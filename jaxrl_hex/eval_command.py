@@ -25,7 +25,7 @@ from jaxrl_hex.commands import DEFAULT_CONFIG, config_overrides
 from jaxrl_hex.config import apply_overrides, load_config_file, read_run_config, resolve_path
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.evaluation import greedy_completions, rewards, sampled_completions
-from jaxrl_hex.generate import check_prompts, saved_step
+from jaxrl_hex.generate import check_prompts, checkpoint_engine, saved_step
 from jaxrl_hex.meshes import prepare_cpu_devices
 from jaxrl_hex.models.hf import load_params
 from jaxrl_hex.rollout.engine import Engine, Request, engine_options
@@ -142,16 +142,14 @@ def run_eval(args, unparsed) -> dict:
     raise UserError(f"--samples={k}: a prompt's samples decode together and the engine has {options['slots']} "
                     f"decode slots (rollout.slots); pass --config.rollout.slots={-(-k // ways) * ways} or fewer")
   # the RL loop's evaluation engine (cluster/local.py) plus the sampling knobs, which greedy decoding ignores
-  engine = Engine(rt.policy, rt.pool("rollout"), rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
-                  **options)
   if checkpointer is not None:
-    like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), rt.policy.shapes(),
-                        engine.param_shardings)
-    params = checkpointer.restore({"params": like}, step, with_meta=False)[0]["params"]
-    version = int(meta.get("policy_version", step))
-  else:
-    params, version = load_params(resolve_path(cfg.model_dir), rt.policy.cfg, engine.param_shardings), 0
-  engine.load_weights(version, params)
+    engine = checkpoint_engine(rt, checkpointer.directory, step, options)[0]
+  else:  # the model's own weights: with model.lora the base, before any adapter is trained
+    base = rt.policy.base()
+    engine = Engine(base, rt.pool("rollout"), rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
+                    **options)
+    engine.load_weights(0, load_params(resolve_path(cfg.model_dir), base.cfg, engine.param_shardings))
+  version = engine.version
   scorer = RewardScorer(rt.task, r.reward_timeout_s)
   t0 = time.perf_counter()
   try:

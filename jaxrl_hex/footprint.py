@@ -22,6 +22,7 @@ import numpy as np
 from jaxrl_hex.data.rollouts import bucket
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import local_device
+from jaxrl_hex.models import lora
 from jaxrl_hex.planner.catalog import load_catalog
 from jaxrl_hex.rl.batch import TrainBatch
 from jaxrl_hex.rl.objectives import StartInputs, make_rl_loss
@@ -93,12 +94,14 @@ def optimizer_state(pool, tx, params):
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-  """The abstract state a Trainer holds on its pool."""
+  """The abstract state a Trainer holds on its pool (params: the trained ones; frozen: a LoRA base)."""
   params: object
   opt_state: object
   critic_params: object = None
   critic_opt_state: object = None
   ref_params: object = None
+  frozen: object = dataclasses.field(default_factory=dict)
+  base_reference: bool = False  # LoRA with a KL: the reference is the base (the same arrays)
 
   def shardings(self):
     """The four states' shardings, as the Trainer pins its update's outputs."""
@@ -107,15 +110,16 @@ class TrainState:
 
 
 def train_state(policy, pool, tx, objective, reference=False) -> TrainState:
-  """The Trainer's params, optimizer state, critic and reference, abstract, on `pool`."""
-  params = abstract(policy.shapes(), pool.shardings_for(policy.logical_axes(), policy.shapes()))
+  """The Trainer's params, optimizer state, critic and reference, abstract, on `pool`. With LoRA the
+  reference is the base (zero B), no array of its own."""
+  params, frozen = policy.split(abstract(policy.shapes(), pool.shardings_for(policy.logical_axes(), policy.shapes())))
   critic_params = critic_opt_state = None
   if objective.critic_optimizer is not None:
     critic = critic_model(policy)
     critic_params = abstract(critic.shapes(), pool.shardings_for(critic.logical_axes(), critic.shapes()))
     critic_opt_state = optimizer_state(pool, objective.critic_optimizer, critic_params)
   return TrainState(params, optimizer_state(pool, tx, params), critic_params, critic_opt_state,
-                    params if reference else None)
+                    params if reference and not policy.lora else None, frozen, reference and policy.lora)
 
 
 def full_batch(sequences: int, prompt_len: int, completion_len: int, group_size: int = 1) -> TrainBatch:
@@ -137,13 +141,16 @@ def train_step(policy, pool, objective, tx, batch: TrainBatch, state: TrainState
   place = lambda x, s: jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype), sharding=s)
   rows, per_seq, slot, minibatch_of = step_inputs(pool, layout, batch, place)
   models = (policy, None if state.critic_params is None else critic_model(policy))
-  inputs = StartInputs(state.params, rows, per_seq, slot, minibatch_of, state.ref_params, state.critic_params)
+  whole = lora.merge(state.params, state.frozen)
+  ref = whole if state.base_reference else state.ref_params
+  inputs = StartInputs(whole, rows, per_seq, slot, minibatch_of, ref, state.critic_params)
   compiled_start, start = compile_program("start", start_program(pool, objective, models), inputs)
   data = outputs(compiled_start)[0]
   update_fn = update_program(pool, objective, models, tx, objective.critic_optimizer, state.shardings())
   i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=pool.replicated())
   _, update = compile_program("update", update_fn, state.params, state.opt_state, state.critic_params,
-                              state.critic_opt_state, rows, data, i32, i32, num_seqs=layout.slot.shape[0] + 1)
+                              state.critic_opt_state, state.frozen, rows, data, i32, i32,
+                              num_seqs=layout.slot.shape[0] + 1)
   return {"start": start, "update": update, "layout": layout.shape, "state": state}
 
 
@@ -182,7 +189,7 @@ def preflight(cfg, policy, pool, catalog=None) -> dict | None:
   batch = full_batch(r.prompts_per_step * r.group_size, bucket(r.max_prompt_len), r.max_new_tokens, r.group_size)
   step = train_step(policy, pool, objective, tx, batch, train_state(policy, pool, tx, objective, a.kl_coef > 0))
   # the reference stays on the pool through the update without being one of its arguments
-  resident = sharded_bytes(step["state"].ref_params) if a.kl_coef > 0 else 0
+  resident = sharded_bytes(step["state"].ref_params) if step["state"].ref_params is not None else 0
   need = max(step["start"].peak_bytes, step["update"].peak_bytes + resident)
   out = {"needed_bytes": need, "capacity_bytes": capacity, "source": source, "layout": step["layout"]}
   if need > capacity:

@@ -15,6 +15,7 @@ import time
 import jax
 
 from jaxrl_hex import arguments
+from jaxrl_hex.base_weights import restore_run
 from jaxrl_hex.checkpoint import BEST_FILE, Checkpointer, step_arg
 from jaxrl_hex.config import FIELD_CHECKS, check_field, read_run_config
 from jaxrl_hex.errors import UserError
@@ -22,6 +23,7 @@ from jaxrl_hex.meshes import prepare_cpu_devices
 from jaxrl_hex.metrics import Progress
 from jaxrl_hex.rollout.engine import Engine, Request, engine_options
 from jaxrl_hex.runtime import build_runtime, load_mesh
+from jaxrl_hex.sync.adapters import AdapterWeights
 from jaxrl_hex.tasks import prompt_length
 
 FLAGS = {  # flag -> config.rollout field
@@ -65,6 +67,26 @@ def saved_step(workdir: str, step, field: str = "--workdir") -> str:
     raise UserError(f"--step={step}: {workdir} has no checkpoint at step {step}; it has steps {steps}: pass one of "
                     f"them, or drop --step for the latest ({steps[-1]})")
   return ckpt_dir
+
+
+def checkpoint_engine(rt, ckpt_dir: str, step, options: dict) -> tuple:
+  """An engine with the run's rollout settings, loaded with its checkpoint `step` (None: the newest
+  that restores) -> (engine, the checkpoint's meta). A LoRA run's checkpoint is its adapters on the
+  base its record names, served as its own evaluations served them (rollout.lora_serving), so
+  greedy decoding here is the run's."""
+  r, policy = rt.cfg.rollout, rt.policy
+  shardings = rt.shardings("rollout")
+  serving = AdapterWeights(policy, shardings, r.lora_serving) if policy.lora else None
+  engine = Engine(serving.engine_policy if serving else policy, rt.pool("rollout"), rt.tokenizer, r.max_new_tokens,
+                  r.temperature, r.top_k, r.top_p, **options)
+  params, meta = restore_run(policy, ckpt_dir, step, shardings, "--workdir")
+  version = int(meta.get("policy_version", meta.get("step", 0)))  # an sft checkpoint: its step
+  if serving:
+    adapters, base = policy.split(params)
+    serving.set_base(None, base)
+    params = serving.assemble(version, adapters)
+  engine.load_weights(version, params)
+  return engine, meta
 
 
 def _check_args(args):
@@ -139,12 +161,7 @@ def generate(args) -> dict:
   r = cfg.rollout
   options = engine_options(r)
   check_prompts(lines, args.prompts, rt, options["slots"])
-  engine = Engine(rt.policy, rt.pools["rollout"], rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
-                  **options)
-  like = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), rt.policy.shapes(),
-                      engine.param_shardings)
-  restored, meta = Checkpointer(ckpt_dir).restore({"params": like}, args.step)
-  engine.load_weights(int(meta.get("policy_version", 0)), restored["params"])
+  engine, _ = checkpoint_engine(rt, ckpt_dir, args.step, options)
   engine.rng = jax.random.key(args.seed)
   engine.greedy = args.greedy
   prompts = {r.id: r.prompt for r in requests}

@@ -36,6 +36,7 @@ DEFAULT_RULES = {
     "norm": (),
     "length": (),
     "layers": (),  # the leading axis of scanned layers' stacked params and KV cache (model.scan_layers)
+    "lora_rank": (),  # a LoRA adapter's rank axis (models/lora.py): small, never split
 }
 # A mesh file's `rules:` may set a group at once: `embed` is every model-dimension name above.
 RULE_GROUPS = {
@@ -250,6 +251,16 @@ def _plan_train_knobs(path, plan) -> dict:
         raise MeshError(f"{path}: plan.train.{key}={train[key]!r} is not a valid {field}; "
                         "write the plan again with `jaxrl-hex plan` or delete the key")
       out[field] = train[key]
+  lora = train.get("lora")  # a plan that fits only with LoRA adapters (`jaxrl-hex plan --lora-rank=R`)
+  if lora is not None:
+    if not isinstance(lora, dict) or type(lora.get("rank")) is not int or lora["rank"] < 1:
+      raise MeshError(f"{path}: plan.train.lora={lora!r} needs a rank >= 1 (and optionally targets, serving); "
+                      "write the plan again with `jaxrl-hex plan --lora-rank=R` or delete the key")
+    out["model.lora.rank"] = lora["rank"]
+    if "targets" in lora:
+      out["model.lora.targets"] = tuple(lora["targets"])
+    if "serving" in lora:
+      out["rollout.lora_serving"] = lora["serving"]
   return out
 
 

@@ -146,7 +146,8 @@ def build_runtime(cfg, own_runtime=False, replica=None, check_prompts=True) -> R
   validate_fields(cfg)  # before the task and the model load (seconds for a real one); validate() repeats it
   if cfg.get("model_dir"):  # the architecture is the checkpoint's config.json; precision stays the run's
     with cfg.unlocked():
-      cfg.model = hf_model_config(resolve_path(cfg.model_dir), dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+      cfg.model = hf_model_config(resolve_path(cfg.model_dir), dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                                  lora=cfg.model.lora.to_dict())  # adapters on the model: the run's
   task = load_task(cfg.task, cfg, check_prompts)
   if cfg.model.vocab_size == 0:  # "auto": the task tokenizer's size, rounded up so it shards
     with cfg.unlocked():

@@ -14,20 +14,22 @@ from jaxrl_hex.rollout.engine import Engine
 from jaxrl_hex.tasks.scoring import RewardScorer
 
 
-def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
-  """Returns (params, summary). Logs rows tagged with `phase` to the recorder."""
+def run_sft(rt, params, recorder, checkpointer=None, phase="sft", policy=None):
+  """Returns (the whole params, summary). Logs rows tagged with `phase` to the recorder. policy:
+  the model trained (default the run's; a LoRA run's warm start trains its base, policy.base())."""
   s = rt.cfg.sft
   pool = rt.pool("train")
-  trainer = Trainer(rt.policy, pool, make_optimizer(s, s.max_steps), sft_loss, params)
+  policy = policy or rt.policy
+  trainer = Trainer(policy, pool, make_optimizer(s, s.max_steps), sft_loss, params)
   stream = PromptStream(rt.task.train, s.batch_size, seed=rt.cfg.seed)
-  engine = Engine(rt.policy, pool, rt.tokenizer, rt.cfg.rollout.max_new_tokens,
+  engine = Engine(policy, pool, rt.tokenizer, rt.cfg.rollout.max_new_tokens,
                   max_prompt_len=rt.cfg.rollout.max_prompt_len)  # the task's prompts were checked against it
   scorer = RewardScorer(rt.task, rt.cfg.rollout.reward_timeout_s)
   eval_records = list(rt.task.eval[:s.eval_size])
   # the phase ends at the accuracy target, usually long before max_steps: the console says so
   progress = Progress(phase, s.max_steps, rt.cfg.train.log_every,
                       target=("eval_accuracy", s.target_accuracy) if s.target_accuracy > 0 else None)
-  accuracy = evaluate(engine, scorer, eval_records, 0, trainer.params, len(eval_records))
+  accuracy = evaluate(engine, scorer, eval_records, 0, trainer.whole(), len(eval_records))
   start_accuracy, t0 = accuracy, time.time()
   recorder.log({"phase": phase, "step": 0, "eval_accuracy": accuracy, "wall_s": time.time() - recorder.t0})
   step = 0
@@ -44,7 +46,7 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
         "wall_s": time.time() - recorder.t0
     }
     if step % s.eval_every == 0 or step == s.max_steps:
-      accuracy = row["eval_accuracy"] = evaluate(engine, scorer, eval_records, step, trainer.params, len(eval_records))
+      accuracy = row["eval_accuracy"] = evaluate(engine, scorer, eval_records, step, trainer.whole(), len(eval_records))
     recorder.log(row)
     progress.update(step, row)
   if checkpointer is not None:
@@ -59,4 +61,4 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft"):
   }
   progress.close(f"{phase}: {step} steps, eval accuracy {start_accuracy:.3f} -> {accuracy:.3f} "
                  f"in {summary['seconds']:.0f}s")
-  return jax.block_until_ready(trainer.params), summary
+  return jax.block_until_ready(trainer.whole()), summary

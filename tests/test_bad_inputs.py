@@ -38,6 +38,13 @@ CASES = [
     ("max_new_tokens=0", "train --config.rollout.max_new_tokens=0", "rollout.max_new_tokens=0 must be >= 1"),
     ("max_prompt_len=0", "train --config.rollout.max_prompt_len=0", "rollout.max_prompt_len=0 must be >= 1"),
     ("sft.batch_size=0", "sft --config.sft.batch_size=0", "sft.batch_size=0 must be >= 1"),
+    # LoRA (models/config.py check_lora; a base that does not match is tests/test_cli.py's)
+    ("lora.rank>dim", "train --config.model.lora.rank=100", "model.lora.rank=100 is larger than"),
+    ("lora.targets", "train --config.model.lora.rank=4 --config.model.lora.targets=('qproj',)",
+     "model.lora.targets: ['qproj'] match(es) no layer"),
+    ("lora_serving", "train --config.rollout.lora_serving=fused",
+     "rollout.lora_serving='fused' must be unmerged or merged"),
+    ("sft lora no base", "sft --config.model.lora.rank=4", "has none: set --config.model_dir"),
     ("sft.eval_every=0", "sft --config.sft.eval_every=0", "sft.eval_every=0 must be >= 1"),
     ("sft.max_steps<0", "sft --config.sft.max_steps=-5", "sft.max_steps=-5 must be >= 0"),
     ("prompts_per_step=0", "train --config.rollout.prompts_per_step=0", "rollout.prompts_per_step=0 must be >= 1"),

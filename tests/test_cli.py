@@ -243,3 +243,38 @@ def test_a_resumed_run_says_where_it_resumed(capsys, tmp_path, warm_workdir):
   out = capsys.readouterr().out
   assert "(resumed at step 1 -> end of RL)" in out and "warm start" not in out, out
   assert json.loads((workdir / "summary.json").read_text())["resumed_from"] == 1
+
+
+def test_a_lora_run_resumes_like_an_uninterrupted_one_and_refuses_another_base(capsys, tmp_path, warm_workdir):
+  """LoRA on the warm start: adapters alone are checkpointed and synced (Orbax), the base is the KL
+  reference (KL exactly 0 at the first step), and a resume restores adapters and optimizer: at
+  eta = 0 its step equals an uninterrupted run's."""
+  flags = [
+      *SMALL_FLAGS, f"--config.init_from={warm_workdir}", "--config.model.lora.rank=4", "--config.algo.kl_coef=0.01",
+      "--config.train.max_staleness=0", "--config.sync.method=orbax", "--config.train.checkpoint_every=2",
+      "--config.train.eval_every=3", "--config.optim.warmup_steps=0", "--config.optim.end_lr_ratio=1.0"
+  ]  # a constant lr: the schedule of a 2-step run resumed to 3 is the 3-step run's
+  assert _train(tmp_path / "straight", *flags, "--config.train.steps=3") == 0
+  assert _train(tmp_path / "split", *flags, "--config.train.steps=2") == 0
+  record = json.loads((tmp_path / "split" / "checkpoints" / "lora_base.json").read_text())
+  assert record["checkpoint"] == os.path.join(warm_workdir, "checkpoints") and "['embed']" in record["fingerprint"]
+  # the checkpoint's params are the adapters; the base stays where the record says
+  saved = json.loads((tmp_path / "split" / "checkpoints" / "2" / "params" / "_METADATA").read_text())
+  names = str(saved["tree_metadata"])
+  assert "wq_lora" in names and "'embed'" not in names
+  assert sorted(os.listdir(tmp_path / "split" / "sync")) == ["base", "v00000000", "v00000001", "v00000002"]
+  assert _train(tmp_path / "split", "--resume", "--config.train.steps=3") == 0
+  straight, split = ([
+      r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["phase"] == "train" and "loss" in r
+  ] for name in ("straight", "split"))
+  assert straight[0]["kl"] == 0.0 and straight[1]["kl"] > 0
+  assert [r["step"] for r in split] == [1, 2, 3] and split[2]["resumed_from"] == 2
+  assert split[2]["loss"] == pytest.approx(straight[2]["loss"], abs=1e-6)
+  assert split[2]["grad_norm"] == pytest.approx(straight[2]["grad_norm"], rel=1e-4)
+  # a base that is no longer the one the adapters were trained on: one line, nothing trained
+  record["fingerprint"]["['embed']"][0] += 1.0
+  (tmp_path / "split" / "checkpoints" / "lora_base.json").write_text(json.dumps(record))
+  capsys.readouterr()
+  err = _error(capsys, ["train", f"--workdir={tmp_path / 'split'}", "--resume", "--config.train.steps=4"])
+  assert "the LoRA base (checkpoint " in err and "is not the one this run's adapters were trained on (leaf " \
+      "['embed'] differs from its fingerprint in lora_base.json)" in err

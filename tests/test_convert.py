@@ -1,6 +1,6 @@
 """jaxrl-hex convert --to-hf: a directory transformers loads whole (weights, tokenizer, chat template,
 generation_config.json) whose greedy continuations are the run's engine's; and --from-hf's next step
-runs as printed."""
+runs as printed. LoRA runs (--to-hf merged, --to-peft, --from-peft): tests/test_lora_run.py."""
 import json
 import os
 import shlex
@@ -70,10 +70,17 @@ def test_char_tokenizer_run_exports_what_transformers_loads_and_continues_as_the
 
 
 def test_refusals_are_one_line_before_any_weight_is_read(warm_workdir, tmp_path, capsys):
+  out, base = ["--out", str(tmp_path / "out")], f"--base={tmp_path}"
   cases = [
       (["--to-hf", warm_workdir, "--out", warm_workdir], "is the run itself (its config.json would be overwritten)"),
       (["--from-hf", str(tmp_path), "--out", str(tmp_path / "r"), "--force"], "--force: --from-hf never writes over"),
       (["--to-hf", warm_workdir, "--out", str(tmp_path), "--step=x"], "'x' is not a checkpoint"),
+      (["--to-peft", warm_workdir, *out], "trained whole weights (model.lora.rank=0), not LoRA adapters; export it"),
+      (["--to-peft", warm_workdir, *out, "--dtype=bfloat16"], "--to-peft writes the adapters in float32"),
+      (["--to-hf", warm_workdir, *out, base], "names the model a --from-peft adapter sits on"),
+      (["--from-peft", str(tmp_path), *out], "--from-peft needs --base=MODEL_DIR"),
+      (["--from-peft", str(tmp_path), base, *out, "--step=1"], "--from-peft writes step 0, drop --step"),
+      (["--from-peft", str(tmp_path), base, *out], f"--from-peft: {tmp_path}: no adapter_config.json"),
   ]
   (tmp_path / "something").write_text("")
   for argv, message in cases:

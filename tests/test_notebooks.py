@@ -37,7 +37,7 @@ def test_quickstart_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
   train_log = "".join(o["text"] for o in _outputs(code[3], "stdout"))
   assert "train 4/4" in train_log and "reward" in train_log and "\x1b" not in train_log
   assert sum(len(_outputs(c, "image/png")) for c in code) == FIGURES
-  assert any("| run | RL steps |" in o["data"]["text/markdown"] for c in code for o in _outputs(c, "text/markdown"))
+  assert any("| run | steps |" in o["data"]["text/markdown"] for c in code for o in _outputs(c, "text/markdown"))
   assert (tmp_path / "runs" / "quickstart" / "tb").is_dir()
 
 

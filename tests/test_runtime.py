@@ -115,6 +115,15 @@ def test_the_plans_workload_becomes_the_runs_batch_unless_the_user_sets_it(tmp_p
   assert (cfg.model.remat, cfg.algo.micro_batch_tokens) == ("dots", 256)  # the planner's train knobs too
   cfg = _main_config(tmp_path, monkeypatch, mesh + ["--config.model.remat=full"])
   assert (cfg.model.remat, cfg.algo.micro_batch_tokens) == ("full", 256)
+  # a plan that fits only with adapters (`plan --lora-rank`) gives the run its adapters
+  lora = tmp_path / "lora.yaml"
+  lora.write_text(
+      PLAN_FILE.replace("micro_batch_tokens: 256}", "micro_batch_tokens: 256, lora: {rank: 8, targets: "
+                        "[q_proj, v_proj], serving: merged}}"))
+  cfg = _main_config(tmp_path, monkeypatch, [f"--config.mesh_file={lora}"])
+  assert (cfg.model.lora.rank, cfg.model.lora.targets, cfg.rollout.lora_serving) == (8, ("q_proj", "v_proj"), "merged")
+  cfg = _main_config(tmp_path, monkeypatch, [f"--config.mesh_file={lora}", "--config.model.lora.rank=4"])
+  assert cfg.model.lora.rank == 4
   cfg = _main_config(tmp_path, monkeypatch, mesh + ["--config.rollout.group_size=4"])
   assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (8, 4)
   cfg = _main_config(tmp_path, monkeypatch, mesh, gin=["rollout.prompts_per_step = 16"])

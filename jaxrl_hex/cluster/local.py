@@ -5,18 +5,18 @@ import time
 
 import jax
 
-from jaxrl_hex.checkpoint import Checkpointer, CheckpointError, split_run
+from jaxrl_hex.base_weights import first_weights
+from jaxrl_hex.checkpoint import Checkpointer
 from jaxrl_hex.config import resolve_path
 from jaxrl_hex.data.rollouts import select_rows
 from jaxrl_hex.evaluation import greedy_completions
-from jaxrl_hex.models.hf import load_params
 from jaxrl_hex.rl.batch import scoring_batch
 from jaxrl_hex.rl.objectives import make_rl_loss
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer
 from jaxrl_hex.rollout.engine import Engine, engine_options
 from jaxrl_hex.rollout.stream import ChunkStream
-from jaxrl_hex.sft import run_sft
 from jaxrl_hex.sync import make_sync
+from jaxrl_hex.sync.adapters import AdapterWeights
 from jaxrl_hex.sync.fingerprint import check, fingerprint
 
 ADVANCE_MAX_S = 1.0  # longest a fleet replica's call runs without news (weights arrive beside it)
@@ -31,31 +31,33 @@ def sync_directory(cfg, workdir):
   return resolve_path(cfg.sync.directory) if cfg.sync.directory else os.path.join(workdir, "sync")
 
 
+def make_syncs(rt, workdir, receive: bool):
+  """(the trained params' sync, the LoRA base's or None): one method, the base in its own place.
+  receive: this runtime receives, onto its rollout layout (else it only publishes)."""
+  policy, cfg = rt.policy, rt.cfg
+  shapes = policy.split(policy.shapes())
+  targets = policy.split(rt.shardings("rollout")) if receive else (None, None)
+  directory = sync_directory(cfg, workdir)
+  sync = make_sync(cfg.sync.method, shapes[0], targets[0], directory)
+  base = make_sync(cfg.sync.method, shapes[1], targets[1], os.path.join(directory, "base")) if policy.lora else None
+  return sync, base
+
+
 class LocalTrainSide:
   """The trainer on the train pool, started from a checkpoint, init_from, or a warm start."""
 
-  def __init__(self, rt, workdir, resume, recorder, sync):
+  def __init__(self, rt, workdir, resume, recorder, sync, base_sync=None):
+    """base_sync: with LoRA, where the frozen base is published (once)."""
     cfg = rt.cfg
-    self.rt, self.sync = rt, sync
+    self.rt, self.sync, self.base_sync, self._base_handle = rt, sync, base_sync, None
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
-    params = rt.policy.init(cfg.seed, rt.shardings("train"))
-    self.warmstart, self.meta = None, {}
-    if cfg.init_from and not resume:
-      init_run, init_step = split_run(cfg.init_from)  # WORKDIR, WORKDIR:best or WORKDIR:N
-      init_dir = os.path.join(resolve_path(init_run), "checkpoints")
-      if not os.path.isdir(init_dir):
-        raise CheckpointError(f"init_from: {cfg.init_from!r} has no checkpoints/ directory; "
-                              "point it at the workdir of an sft or train run")
-      params = Checkpointer(init_dir).restore({"params": params}, init_step, with_meta=False,
-                                              field=f"init_from={cfg.init_from}")[0]["params"]
-    elif cfg.get("model_dir") and not resume:  # a Hugging Face checkpoint, read onto the train pool
-      params = load_params(resolve_path(cfg.model_dir), rt.policy.cfg, rt.shardings("train"))
-    elif not resume:
-      params, self.warmstart = run_sft(rt, params, recorder, phase="warmstart")
-    ref = jax.tree.map(lambda x: x.copy(), params) if cfg.algo.kl_coef > 0 else None
+    self.meta = {}
+    params, self.warmstart = first_weights(rt, workdir, resume, recorder)
+    kl = cfg.algo.kl_coef > 0  # a frozen reference: a copy of the start, or with LoRA the base itself
+    ref = jax.tree.map(lambda x: x.copy(), params) if kl and not rt.policy.lora else None
     updates = cfg.train.steps * cfg.algo.minibatches  # the schedule counts optimizer updates
     self.trainer = Trainer(rt.policy, rt.pool("train"), make_optimizer(cfg.optim, updates),
-                           make_rl_loss(cfg.algo, cfg.rollout.temperature), params, ref_params=ref)
+                           make_rl_loss(cfg.algo, cfg.rollout.temperature), params, ref_params=ref, base_reference=kl)
     if resume:
       step = cfg.train.get("resume_step", -1)
       restored, self.meta = self.checkpointer.restore(self._state(), None if step < 0 else step)
@@ -74,7 +76,15 @@ class LocalTrainSide:
     return self.trainer.step(batch)
 
   def publish(self):
-    return self.sync.publish(*self.trainer.weights())._replace(fingerprint=self.fingerprint())
+    """The trained params' Handle (with LoRA the adapters', carrying the base's Handle)."""
+    handle = self.sync.publish(*self.trainer.weights())
+    return handle._replace(fingerprint=self.fingerprint(), base=self.publish_base())
+
+  def publish_base(self):
+    """With LoRA, the frozen base published once -> its Handle; else None."""
+    if self.base_sync is not None and self._base_handle is None:
+      self._base_handle = self.base_sync.publish(0, self.trainer.frozen)
+    return self._base_handle
 
   def fingerprint(self, always=False):
     """The params' sync.fingerprint on versions sync.verify_every says to check (or always), else None."""
@@ -108,15 +118,18 @@ class LocalRolloutSide:
   replicas = 1
   restarts = 0
 
-  def __init__(self, rt, sync):
+  def __init__(self, rt, sync, base_sync=None):
+    """base_sync: with LoRA, where the frozen base arrives from (once); the adapters come by `sync`."""
     r = rt.cfg.rollout
-    self.rt, self.sync = rt, sync
+    self.rt, self.sync, self.base_sync = rt, sync, base_sync
+    self.adapters = AdapterWeights(rt.policy, rt.shardings("rollout"), r.lora_serving) if rt.policy.lora else None
+    policy = self.adapters.engine_policy if self.adapters else rt.policy
     self._offered = None  # newest published weights, picked up by the engine mid-batch
     pool = rt.pool("rollout")
     options = engine_options(r)
-    self.engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **options,
+    self.engine = Engine(policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **options,
                          weights_source=self._fresh_weights)
-    self.eval_engine = Engine(rt.policy, pool, rt.tokenizer, r.max_new_tokens, **options)
+    self.eval_engine = Engine(policy, pool, rt.tokenizer, r.max_new_tokens, **options)
     self.stream = ChunkStream(self.engine)  # a fleet replica's routed chunks (advance)
     self._arrived = threading.Event()  # set by notify(): the router holds new work for this replica
     self.receives = []  # (start, end) of the weight receives the engine pulled mid-generation
@@ -158,11 +171,18 @@ class LocalRolloutSide:
     return None
 
   def _receive(self, handle):
-    """(version, params) of `handle` in this runtime's layout, checked against its fingerprint."""
+    """(version, the engine's params) of `handle` in this runtime's layout, checked against its
+    fingerprint; with LoRA the base first where this runtime lacks it, then the adapters on it."""
+    if self.adapters is not None and self.adapters.needs_base(handle):
+      self.adapters.set_base(handle.base, self.base_sync.receive(handle.base)[1])
     version, params = self.sync.receive(handle)
     if handle.fingerprint is not None:
       check(handle.fingerprint, params, version)
-    return version, params
+    return version, (params if self.adapters is None else self.adapters.assemble(version, params))
+
+  def received(self, engine):
+    """The weights `engine` runs as the trainer published them (with LoRA its adapters)."""
+    return engine.params if self.adapters is None else self.adapters.adapters[1]
 
   def generate(self, records, group_size, seed, batch_index, handle):
     """-> (Rollout, receive span or None, {} (one runtime: no per-replica figures)). Weights are at
@@ -211,7 +231,7 @@ class LocalRolloutSide:
     return [{
         "version": engine.version,
         "rollout": select_rows(rollout, [0]),
-        "fingerprint": fingerprint(engine.params)
+        "fingerprint": fingerprint(self.received(engine))
     }]
 
   def describe(self) -> dict:
@@ -225,6 +245,5 @@ class LocalRolloutSide:
 
 
 def local_sides(rt, workdir, resume, recorder):
-  cfg = rt.cfg
-  sync = make_sync(cfg.sync.method, rt.policy.shapes(), rt.shardings("rollout"), sync_directory(cfg, workdir))
-  return LocalTrainSide(rt, workdir, resume, recorder, sync), LocalRolloutSide(rt, sync)
+  syncs = make_syncs(rt, workdir, receive=True)
+  return LocalTrainSide(rt, workdir, resume, recorder, *syncs), LocalRolloutSide(rt, *syncs)

@@ -110,6 +110,7 @@ class RayTrainSide:
     spec = rt.mesh_file.pools["train"]
     cfg_json = rt.cfg.to_json_best_effort()
     self.method = rt.cfg.sync.method
+    self._base = None  # direct sync with LoRA: the base's Handle (sync/adapters.py)
     cls = _actor(TrainWorker, spec)
     self.workers = [cls.remote(cfg_json, workdir, resume, i, spec.processes) for i in range(spec.processes)]
     coordinator = ray.get(self.workers[0].coordinator_address.remote())
@@ -165,10 +166,13 @@ class RayTrainSide:
     return metrics
 
   def publish(self):
-    results = self._all("publish")  # per process: (handle or manifest piece, seconds, fingerprint or None)
-    self.sync_seconds = max(seconds for _, seconds, _ in results)
+    # per process: (handle or manifest piece, seconds, fingerprint or None, LoRA base's manifest piece or None)
+    results = self._all("publish")
+    self.sync_seconds = max(r[1] for r in results)
     if self.method == "direct":
-      return merge_manifests(self.version, [piece for piece, _, _ in results])._replace(fingerprint=results[0][2])
+      if results[0][3] is not None:  # the base, published once; its Handle rides on every later one
+        self._base = merge_manifests(0, [r[3] for r in results])
+      return merge_manifests(self.version, [r[0] for r in results])._replace(fingerprint=results[0][2], base=self._base)
     return results[0][0]
 
   def save(self, meta):

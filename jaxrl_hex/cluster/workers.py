@@ -7,12 +7,11 @@ import time
 import jax
 from jax.experimental import multihost_utils
 
-from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide, sync_directory
+from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide, make_syncs
 from jaxrl_hex.config import config_from_json
 from jaxrl_hex.metrics import Recorder, thread_stacks
 from jaxrl_hex.planner.catalog import load_catalog
 from jaxrl_hex.runtime import build_runtime, load_mesh
-from jaxrl_hex.sync import make_sync
 
 
 def accelerator_kind(device_type, platform) -> str:
@@ -84,19 +83,25 @@ class TrainWorker:
                len(spec.device_ids) // spec.processes, spec.affinity, coordinator, self.num_processes, self.process_id)
     rt = build_runtime(cfg, own_runtime=True, check_prompts=False)  # the driver checked them
     recorder = Recorder(self.workdir, append=True) if self.process_id == 0 else _NullRecorder()
-    self.sync = make_sync(cfg.sync.method, rt.policy.shapes(), None, sync_directory(cfg, self.workdir))
-    self.side = LocalTrainSide(rt, self.workdir, self.resume, recorder, self.sync)
+    self.sync, base_sync = make_syncs(rt, self.workdir, receive=False)
+    self.side = LocalTrainSide(rt, self.workdir, self.resume, recorder, self.sync, base_sync)
+    self._base_published = False
     return {"version": self.side.version, "meta": self.side.meta, "warmstart": self.side.warmstart}
 
   def step(self, batch) -> dict:
     return self.side.step(batch)
 
   def publish(self):
-    """orbax: every process writes its shards, -> Handle; direct: this process's manifest piece."""
-    if self.side.rt.cfg.sync.method == "direct":
-      return self.sync.publish_local(self.side.trainer.params), self.sync.last_seconds, self.side.fingerprint()
-    handle = self.side.publish()
-    return handle, self.sync.last_seconds, handle.fingerprint
+    """orbax: every process writes its shards, -> (Handle, seconds, fingerprint, None); direct: this
+    process's manifest piece, and with LoRA at the first publish its piece of the base's manifest."""
+    side = self.side
+    if side.rt.cfg.sync.method == "direct":
+      base = None
+      if side.base_sync is not None and not self._base_published:
+        base, self._base_published = side.base_sync.publish_local(side.trainer.frozen), True
+      return self.sync.publish_local(side.trainer.params), self.sync.last_seconds, side.fingerprint(), base
+    handle = side.publish()
+    return handle, self.sync.last_seconds, handle.fingerprint, None
 
   def save(self, meta):
     self.side.save(meta)
@@ -114,8 +119,9 @@ class TrainWorker:
     return thread_stacks()
 
   def fetch_params(self):
-    """The whole params on the host (every process gathers): for checks and exports of small models."""
-    return multihost_utils.process_allgather(self.side.trainer.params, tiled=True)
+    """The whole model's params on the host (every process gathers; with LoRA the adapters on their
+    base): for checks and exports of small models."""
+    return multihost_utils.process_allgather(self.side.trainer.whole(), tiled=True)
 
   def close(self):
     self.side.close()
@@ -136,8 +142,7 @@ class RolloutWorker:
     spec = mesh_file.pools["rollout"].replica_specs()[replica]
     _start_jax(accelerator_kind(spec.device_type, mesh_file.platform), len(spec.device_ids), spec.affinity)
     rt = build_runtime(cfg, own_runtime=True, replica=replica, check_prompts=False)
-    sync = make_sync(cfg.sync.method, rt.policy.shapes(), rt.shardings("rollout"), sync_directory(cfg, workdir))
-    self.side = LocalRolloutSide(rt, sync)
+    self.side = LocalRolloutSide(rt, *make_syncs(rt, workdir, receive=True))
     self.side.warmup()  # before ready: a fresh or replacement replica never compiles mid-batch
     self.replica, self.device_type = replica, spec.device_type
 

@@ -3,6 +3,8 @@
 The family fields (after `max_seq_len`) cover Llama 3, Qwen2/2.5, Qwen3 and Gemma 2/3; their
 defaults are the plain Llama-style decoder. models/families.py maps HF config.json onto them.
 """
+import fnmatch
+
 import ml_collections
 
 DEFAULTS = dict(
@@ -49,6 +51,13 @@ DEFAULTS = dict(
     # The trainer runs the output head over chunks of this many positions (rl.layout), so it holds
     # fp32 logits [rows, logprob_chunk, vocab], never a micro-batch's [rows, length, vocab].
     logprob_chunk=256,
+    # Low-rank adapters (models/lora.py): rank 0 = full fine-tuning. With rank r the targeted
+    # projections compute x W + (alpha / r) dropout(x) A B with A [in, r], B [r, out] (B starts at
+    # zero), the base W frozen; only A and B are trained, checkpointed and synced. targets: PEFT
+    # module names or fnmatch patterns over them (models.lora.TARGETS: self_attn.q_proj, ...,
+    # mlp.down_proj; "q_proj" matches the first).
+    lora=dict(rank=0, alpha=16.0, dropout=0.0,
+              targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
 )
 CHOICES = {
     "norm_style": ("rms", "gemma"),
@@ -56,6 +65,17 @@ CHOICES = {
     "remat": ("none", "full", "dots")
 }
 LAYER_TYPES = ("full", "sliding")
+# The projections LoRA may adapt: PEFT module name (as in HF checkpoints, under model.layers.<i>.) ->
+# (the Block's sub-module, the weight, how many leading dims of the weight are its input).
+LORA_TARGETS = {
+    "self_attn.q_proj": ("attn", "wq", 1),
+    "self_attn.k_proj": ("attn", "wk", 1),
+    "self_attn.v_proj": ("attn", "wv", 1),
+    "self_attn.o_proj": ("attn", "wo", 2),
+    "mlp.gate_proj": ("mlp", "gate", 1),
+    "mlp.up_proj": ("mlp", "up", 1),
+    "mlp.down_proj": ("mlp", "down", 1),
+}
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -67,6 +87,8 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   if unknown:
     raise ValueError(f"model config: unknown field(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
   cfg = ml_collections.ConfigDict(dict(DEFAULTS, **overrides))
+  cfg.lora = ml_collections.ConfigDict(dict(DEFAULTS["lora"], **cfg.lora))  # a partial lora dict keeps the defaults
+  cfg.lora.targets = tuple(cfg.lora.targets)
   if cfg.n_heads % cfg.n_kv_heads:
     raise ValueError(f"model config: n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
   for field, allowed in CHOICES.items():
@@ -86,7 +108,55 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
     missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in cfg.rope_scaling]
     if missing:
       raise ValueError(f"model config: rope_scaling ({kind}) lacks {missing}")
+  check_lora(cfg)
   return cfg
+
+
+def lora_targets(cfg) -> tuple:
+  """The PEFT names of the projections cfg.lora adapts (none at rank 0)."""
+  if not cfg.lora.rank:
+    return ()
+  return tuple(name for name in LORA_TARGETS if any(_matches(name, p) for p in cfg.lora.targets))
+
+
+def _matches(name: str, pattern: str) -> bool:
+  return fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name.split(".")[-1], pattern)
+
+
+def lora_weight_dims(cfg) -> dict:
+  """PEFT name -> (input size, output size) of each projection, as a matrix."""
+  d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim
+  return {
+      "self_attn.q_proj": (d, h * hd),
+      "self_attn.k_proj": (d, kv * hd),
+      "self_attn.v_proj": (d, kv * hd),
+      "self_attn.o_proj": (h * hd, d),
+      "mlp.gate_proj": (d, f),
+      "mlp.up_proj": (d, f),
+      "mlp.down_proj": (f, d)
+  }
+
+
+def check_lora(cfg):
+  lora = cfg.lora
+  if lora.rank < 0:
+    raise ValueError(f"model.lora.rank={lora.rank} must be >= 0 (0 = full fine-tuning, e.g. 16 for adapters)")
+  if not lora.rank:
+    return
+  if not 0 <= lora.dropout < 1:
+    raise ValueError(f"model.lora.dropout={lora.dropout} must be in [0, 1) (0 = off)")
+  if lora.alpha <= 0:
+    raise ValueError(f"model.lora.alpha={lora.alpha} must be > 0 (the adapters' scale is alpha / rank; e.g. 2 x rank)")
+  names = ", ".join(LORA_TARGETS)
+  unmatched = [p for p in lora.targets if not any(_matches(name, p) for name in LORA_TARGETS)]
+  if unmatched or not lora.targets:
+    raise ValueError(f"model.lora.targets: {list(unmatched) or '()'} match(es) no layer; name projections or fnmatch "
+                     f"patterns over them: {names} (the part after the dot alone also matches, e.g. q_proj, *_proj)")
+  dims = {n: min(io) for n, io in lora_weight_dims(cfg).items() if n in lora_targets(cfg)}
+  smallest = min(dims, key=dims.get)
+  if lora.rank > dims[smallest]:
+    raise ValueError(f"model.lora.rank={lora.rank} is larger than {smallest}'s dimension {dims[smallest]} (a low-rank "
+                     f"adapter needs rank <= min(in, out)); use --config.model.lora.rank={dims[smallest]} or less")
 
 
 def is_sliding(cfg, layer: int) -> bool:

@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from jaxrl_hex.models import lora
 from jaxrl_hex.models.attention import Segments, blockwise_attention
 from jaxrl_hex.models.config import is_sliding
 from jaxrl_hex.models.sharding import constrain
@@ -133,6 +134,12 @@ class Attention(nnx.Module):
     self.wk = _param(rngs, (d, kv, hd), ("qkv_embed", "kv_heads", "head_dim"), pdt, d**-0.5)
     self.wv = _param(rngs, (d, kv, hd), ("qkv_embed", "kv_heads", "head_dim"), pdt, d**-0.5)
     self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "o_embed"), pdt, (h * hd)**-0.5)
+    lora.attach(self, {
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj"
+    }, cfg, rngs)
     if cfg.qkv_bias:
       self.bq = nnx.Param(jnp.zeros((h, hd), pdt), axes=("heads", "head_dim"))
       self.bk = nnx.Param(jnp.zeros((kv, hd), pdt), axes=("kv_heads", "head_dim"))
@@ -147,12 +154,14 @@ class Attention(nnx.Module):
     self.block = cfg.attention_block
     self.dtype = jnp.dtype(cfg.dtype)
 
-  def __call__(self, x, table, mask, cache, cache_index):
-    """table: rope_table(positions, *rope_args) of this layer's RoPE settings."""
+  def __call__(self, x, table, mask, cache, cache_index, key=None):
+    """table: rope_table(positions, *rope_args) of this layer's RoPE settings; key: the adapters'
+    dropout (models.lora), None outside training."""
     dt = self.dtype
     x2 = x.reshape(-1, x.shape[-1])  # [tokens, d_model]: see MLP
-    proj = lambda w: (x2 @ w[...].astype(dt).reshape(w.shape[0], -1)).reshape(x.shape[:2] + w.shape[1:])
-    q, k, v = proj(self.wq), proj(self.wk), proj(self.wv)
+    drops = [None] * 4 if key is None else list(jax.random.split(key, 4))  # each adapter's dropout key
+    proj = lambda name, d: lora.project(self, name, x2, dt, d).reshape(x.shape[:2] + getattr(self, name).shape[1:])
+    q, k, v = proj("wq", drops[0]), proj("wk", drops[1]), proj("wv", drops[2])
     if self.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if self.qk_norm:
@@ -177,9 +186,8 @@ class Attention(nnx.Module):
       scores = jnp.where(mask[:, None, None], scores, -1e30)
       probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, kv, g * t, -1)
       out = jnp.matmul(probs, values.astype(dt)).reshape(b, kv, g, t, hd)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
-    wo = self.wo[...].astype(dt)  # [heads, head_dim, d_model]
-    return (out.reshape(b * t, -1) @ wo.reshape(-1, wo.shape[-1])).reshape(b, t, -1), cache
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b * t, h * hd)  # wo: [heads, head_dim, d_model]
+    return lora.project(self, "wo", out, dt, drops[3]).reshape(b, t, -1), cache
 
 
 class MLP(nnx.Module):
@@ -189,16 +197,19 @@ class MLP(nnx.Module):
     self.gate = _param(rngs, (d, f), ("mlp_up_embed", "mlp"), pdt, d**-0.5)
     self.up = _param(rngs, (d, f), ("mlp_up_embed", "mlp"), pdt, d**-0.5)
     self.down = _param(rngs, (f, d), ("mlp", "mlp_down_embed"), pdt, f**-0.5)
+    lora.attach(self, {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}, cfg, rngs)
     self.activation = cfg.mlp_activation
     self.dtype = jnp.dtype(cfg.dtype)
 
-  def __call__(self, x):
+  def __call__(self, x, key=None):
     """x [..., d_model], taken as one [tokens, d_model] matrix: with the batch and time axes kept
     apart, XLA:CPU transposed the activation gradient in a slow fused loop (2x the MLP's backward)."""
     dt = self.dtype
     x2 = x.reshape(-1, x.shape[-1])
-    h = ACTIVATIONS[self.activation](x2 @ self.gate[...].astype(dt)) * (x2 @ self.up[...].astype(dt))
-    return (h @ self.down[...].astype(dt)).reshape(x.shape)
+    drops = [None] * 3 if key is None else list(jax.random.split(key, 3))
+    h = ACTIVATIONS[self.activation](lora.project(self, "gate", x2, dt, drops[0])) * lora.project(
+        self, "up", x2, dt, drops[1])
+    return lora.project(self, "down", h, dt, drops[2]).reshape(x.shape)
 
 
 # The residual stream [B, T, d_model]: split over the batch axes only (models.sharding).
@@ -221,11 +232,12 @@ class Block(nnx.Module):
       self.post_attn_norm, self.post_mlp_norm = norm(), norm()
     self.post_norms, self.sliding = cfg.post_norms, sliding
 
-  def __call__(self, x, table, mask, cache, cache_index):
+  def __call__(self, x, table, mask, cache, cache_index, key=None):
     x = constrain(x, RESIDUAL_AXES)
-    a, cache = self.attn(constrain(self.attn_norm(x), BLOCK_INPUT_AXES), table, mask, cache, cache_index)
+    drops = (None, None) if key is None else tuple(jax.random.split(key))
+    a, cache = self.attn(constrain(self.attn_norm(x), BLOCK_INPUT_AXES), table, mask, cache, cache_index, drops[0])
     x = constrain(x + (self.post_attn_norm(a) if self.post_norms else a), RESIDUAL_AXES)
-    m = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT_AXES))
+    m = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT_AXES), drops[1])
     return constrain(x + (self.post_mlp_norm(m) if self.post_norms else m), RESIDUAL_AXES), cache
 
 
@@ -252,9 +264,10 @@ class Decoder(nnx.Module):
     return self.logits(x), new_cache
 
   def hidden(self, tokens, positions, mask, cache: Cache | None = None, cache_index=0, key_positions=None,
-             rope_tables=None):
+             rope_tables=None, dropout_key=None):
     """As __call__, but -> the final hidden states [B, T, d_model] (after the final norm, in
-    cfg.dtype), so a caller can run the output head over slices of them (see logits)."""
+    cfg.dtype), so a caller can run the output head over slices of them (see logits).
+    dropout_key: the LoRA adapters' dropout (model.lora.dropout), for the trainer's updates."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     x = constrain(self.embed[...].astype(dt)[tokens], RESIDUAL_AXES)
@@ -272,18 +285,20 @@ class Decoder(nnx.Module):
     def layer_inputs(sliding):  # (rope table, mask) of a sliding or full layer
       return tables[rope_settings(cfg, sliding)], local_mask if sliding else mask
 
+    layer_key = lambda i: None if dropout_key is None else jax.random.fold_in(dropout_key, i)
     if cfg.scan_layers:
-      x, new_cache = self._scan_layers(x, layer_inputs, cache, cache_index)
+      x, new_cache = self._scan_layers(x, layer_inputs, cache, cache_index, layer_key)
     else:
       new_cache = []
       for i, layer in enumerate(self.layers):
         graphdef, state = nnx.split(layer)
         x, c = _block_fn(graphdef, cfg.remat, prevent_cse=True)(state, x, *layer_inputs(layer.sliding),
-                                                                None if cache is None else cache[i], cache_index)
+                                                                None if cache is None else cache[i], cache_index,
+                                                                layer_key(i))
         new_cache.append(c)
     return self.final_norm(x), (new_cache if cache is not None else None)
 
-  def _scan_layers(self, x, layer_inputs, cache, cache_index):
+  def _scan_layers(self, x, layer_inputs, cache, cache_index, layer_key):
     """The stacked layers over x by one scan; cache: [(keys [L, ...], values [L, ...])] or None.
     The cache rides in the carry, so each layer's write lands in place in the stacked buffers
     (as scan inputs and outputs, the old and new caches would be two buffers); the layer reads
@@ -302,7 +317,7 @@ class Decoder(nnx.Module):
       else:
         inputs = layer_inputs(bool(kinds[0]))
       layer_cache = None if stacked is None else tuple(jax.lax.dynamic_index_in_dim(c, i, 0, False) for c in stacked)
-      x, layer_cache = run(layer_state, x, *inputs, layer_cache, cache_index)
+      x, layer_cache = run(layer_state, x, *inputs, layer_cache, cache_index, layer_key(i))
       if stacked is not None:
         stacked = tuple(jax.lax.dynamic_update_index_in_dim(c, u, i, 0) for c, u in zip(stacked, layer_cache))
       return (x, stacked), None
@@ -326,11 +341,11 @@ REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_bat
 
 
 def _block_fn(graphdef, remat: str, prevent_cse: bool):
-  """(block state, x, table, mask, cache, cache_index) -> (x, cache), rematerialised as cfg.remat
-  says (jax.checkpoint changes nothing outside differentiation, so decoding pays nothing)."""
+  """(block state, x, table, mask, cache, cache_index, dropout key) -> (x, cache), rematerialised as
+  cfg.remat says (jax.checkpoint changes nothing outside differentiation, so decoding pays nothing)."""
 
-  def run(state, x, table, mask, cache, cache_index):
-    return nnx.merge(graphdef, state)(x, table, mask, cache, cache_index)
+  def run(state, x, table, mask, cache, cache_index, key):
+    return nnx.merge(graphdef, state)(x, table, mask, cache, cache_index, key)
 
   if remat == "none":
     return run
@@ -348,7 +363,7 @@ def _stacked_blocks(cfg, rngs) -> Block:
 
   blocks = make(rngs)
   for _, var in nnx.iter_graph(blocks):
-    if isinstance(var, nnx.Param):
+    if isinstance(var, (nnx.Param, lora.Adapter)):
       var.set_metadata("axes", ("layers",) + var.get_metadata()["axes"])
   return blocks
 

@@ -240,7 +240,7 @@ def hf_config(cfg, base: dict | None = None, dtype: str | None = None) -> dict:
 def _semantics(cfg) -> dict:
   """What a config computes, with equivalent spellings (layer_types, per-layer RoPE) made equal."""
   skip = PRECISION_FIELDS + EXECUTION_FIELDS + ("layer_types", "sliding_window", "rope_theta", "rope_scaling",
-                                                "rope_local_theta")
+                                                "rope_local_theta", "lora")  # adapters: adapter_config.json
   out = {k: cfg[k] for k in DEFAULTS if k not in skip}
   out["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar or cfg.head_dim
   for i in range(cfg.n_layers):

@@ -28,7 +28,7 @@ from jaxrl_hex import meshes
 from jaxrl_hex.models.decoder import causal_mask, init_cache
 from jaxrl_hex.models.families import HFModelError, config_from_hf, family_of, hf_config, read_config
 from jaxrl_hex.models.policy import Policy
-from jaxrl_hex.models.safetensors_files import SafetensorsDir, write_safetensors
+from jaxrl_hex.models.safetensors_files import SINGLE, SafetensorsDir, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
@@ -124,7 +124,7 @@ def _stacked_path(cfg, lay):
   return ("layers",) + lay.path[2:] if cfg.scan_layers and lay.path[0] == "layers" else None
 
 
-def _param_of(cfg, params, lay):
+def param_of(cfg, params, lay):
   """The device array of a layout's tensor (one layer's slice of a stacked param)."""
   stacked = _stacked_path(cfg, lay)
   return _get(params, lay.path) if stacked is None else _get(params, stacked)[lay.path[1]]
@@ -149,7 +149,18 @@ def load_params(model_dir: str, cfg, shardings) -> dict:
   if unused:
     raise HFModelError(f"{ckpt.entries[unused[0]].path}: tensor '{unused[0]}' (and {len(unused) - 1} more) is not "
                        f"part of a {family} model with this config.json")
-  dtype = jnp.dtype(cfg.param_dtype)
+  params = read_tensors(ckpt, layouts, cfg, shardings, cfg.param_dtype)
+  ckpt.close()
+  return params
+
+
+def read_tensors(ckpt: SafetensorsDir, layouts: list, cfg, shardings, dtype) -> dict:
+  """The layouts' tensors as a params-shaped dict (layers stacked as cfg.scan_layers says), each
+  created in its sharding (looked up by path in `shardings`; None: the default device) from the
+  blocks its devices hold, converted to dtype."""
+  dtype = jnp.dtype(dtype)
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  sharding = lambda path: default if shardings is None else _get(shardings, path)
   params, stacks = {}, {}
   for lay in layouts:
     stacked = _stacked_path(cfg, lay)
@@ -158,7 +169,7 @@ def load_params(model_dir: str, cfg, shardings) -> dict:
       continue
     _set(
         params, lay.path,
-        jax.make_array_from_callback(lay.shape, _get(shardings, lay.path),
+        jax.make_array_from_callback(lay.shape, sharding(lay.path),
                                      lambda index, lay=lay: lay.read(ckpt, index).astype(dtype, copy=False)))
 
   def read_layers(lays, index):  # a block of a stacked param: its layers' blocks, each read on its own
@@ -168,37 +179,48 @@ def load_params(model_dir: str, cfg, shardings) -> dict:
   for path, lays in stacks.items():
     _set(
         params, path,
-        jax.make_array_from_callback((len(lays),) + lays[0].shape, _get(shardings, path),
-                                     functools.partial(read_layers, lays)))
-  ckpt.close()
+        jax.make_array_from_callback((len(lays),) + lays[0].shape, sharding(path), functools.partial(read_layers,
+                                                                                                     lays)))
   return params
 
 
 def save_hf(cfg, params, out_dir: str, source_dir: str | None = None, dtype: str | None = None,
-            max_shard_bytes: int = 4 << 30):
+            max_shard_bytes: int = 4 << 30, fold=None):
   """Writes params as a Hugging Face model directory: safetensors, config.json and, from
-  source_dir (the model it was loaded from), its tokenizer and generation files."""
+  source_dir (the model it was loaded from), its tokenizer and generation files. fold: see
+  write_tensors (models.peft folds adapters into their weights)."""
   config = hf_config(cfg, read_config(source_dir) if source_dir else None, dtype)  # refuses before writing
-  out_dtype = jnp.dtype(dtype or cfg.param_dtype)
   os.makedirs(out_dir, exist_ok=True)
-
-  def fetch(lay):
-    x = _param_of(cfg, params, lay)
-    if not x.is_fully_addressable:  # multi-host: every process gathers, one writes
-      return lay.to_hf(np.asarray(multihost_utils.process_allgather(x, tiled=True))).astype(out_dtype)
-    return lay.to_hf(np.asarray(jax.device_get(x))).astype(out_dtype)
-
-  tensors = [(lay.hf_name, lay.hf_shape, out_dtype, lambda lay=lay: fetch(lay)) for lay in tensor_layouts(cfg)]
-  if jax.process_index() != 0:
-    for *_, f in tensors:
-      f()
+  if not write_tensors(cfg, params, tensor_layouts(cfg), out_dir, dtype or cfg.param_dtype, max_shard_bytes, fold=fold):
     return
-  write_safetensors(out_dir, tensors, max_shard_bytes)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   for name in TOKENIZER_FILES if source_dir else ():
     if os.path.isfile(os.path.join(source_dir, name)):
       shutil.copyfile(os.path.join(source_dir, name), os.path.join(out_dir, name))
+
+
+def write_tensors(cfg, params, layouts: list, out_dir: str, dtype, max_shard_bytes: int = 4 << 30, single: str = SINGLE,
+                  fold=None) -> bool:
+  """Writes each layout's param (a layer's slice of a stacked one) as its checkpoint tensor in
+  dtype, one at a time; fold(layout, array) -> array, if given, transforms it first. Multi-host:
+  every process gathers each tensor and process 0 writes. -> whether this process wrote."""
+  out_dtype = jnp.dtype(dtype)
+
+  def fetch(lay):
+    x = param_of(cfg, params, lay)
+    x = x if fold is None else fold(lay, x)
+    if not x.is_fully_addressable:  # multi-host: every process gathers, one writes
+      return lay.to_hf(np.asarray(multihost_utils.process_allgather(x, tiled=True))).astype(out_dtype)
+    return lay.to_hf(np.asarray(jax.device_get(x))).astype(out_dtype)
+
+  tensors = [(lay.hf_name, lay.hf_shape, out_dtype, lambda lay=lay: fetch(lay)) for lay in layouts]
+  if jax.process_index() != 0:
+    for *_, f in tensors:
+      f()
+    return False
+  write_safetensors(out_dir, tensors, max_shard_bytes, single)
+  return True
 
 
 def generation_config(bos_id: int, eos_ids, pad_id: int, rollout=None, base: dict | None = None) -> dict:

@@ -6,6 +6,7 @@ import typing
 import jax
 from flax import nnx
 
+from jaxrl_hex.models import lora
 from jaxrl_hex.models.decoder import Decoder
 
 
@@ -15,11 +16,34 @@ class Policy:
   cfg: typing.Any
   graphdef: typing.Any
   abstract: typing.Any  # nnx.State of ShapeDtypeStruct leaves carrying `axes` metadata
+  dropout_key: typing.Any = None  # the LoRA adapters' dropout key inside a trainer update (with_dropout)
 
   @classmethod
   def build(cls, cfg):
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
     return cls(cfg, graphdef, abstract)
+
+  @property
+  def lora(self) -> bool:
+    """Whether the model carries LoRA adapters (model.lora.rank > 0): only they are trained."""
+    return bool(self.cfg.lora.rank)
+
+  def split(self, tree):
+    """A params-shaped pure dict -> (trainable, frozen): (adapters, base) with LoRA, else (tree, {})."""
+    return lora.split(tree) if self.lora else (tree, {})
+
+  def base(self) -> "Policy":
+    """The same model without adapters: the frozen base's structure (what a full-weight checkpoint,
+    an HF directory or the merged rollout weights hold)."""
+    if not self.lora:
+      return self
+    cfg = self.cfg.copy_and_resolve_references()
+    cfg.lora.rank = 0
+    return Policy.build(cfg)
+
+  def with_dropout(self, key) -> "Policy":
+    """This policy with its adapters' dropout on, keyed by `key` (inside a traced update)."""
+    return dataclasses.replace(self, dropout_key=key)
 
   def shapes(self):
     """Pure dict of ShapeDtypeStruct, the structure of every params pytree."""
@@ -32,11 +56,14 @@ class Policy:
 
   def init(self, seed: int, shardings=None):
     """Fresh params, created directly in their shardings (never whole on one device)."""
+    return jax.jit(lambda: self._fresh(seed), out_shardings=shardings)()
 
-    def make():
-      return nnx.to_pure_dict(nnx.split(Decoder(self.cfg, nnx.Rngs(seed)))[1])
+  def init_adapters(self, seed: int, shardings=None):
+    """Fresh adapters alone (the base they would sit on is never computed: XLA drops it)."""
+    return jax.jit(lambda: self.split(self._fresh(seed))[0], out_shardings=shardings)()
 
-    return jax.jit(make, out_shardings=shardings)()
+  def _fresh(self, seed):
+    return nnx.to_pure_dict(nnx.split(Decoder(self.cfg, nnx.Rngs(seed)))[1])
 
   def apply(self, params, tokens, positions, mask, cache=None, cache_index=0, key_positions=None, rope_tables=None):
     """-> (logits [B, T, vocab] fp32, cache). key_positions [B, S], rope_tables: see models.decoder."""
@@ -46,7 +73,8 @@ class Policy:
                    rope_tables=None):
     """As apply, but -> (final hidden states [B, T, d_model] in cfg.dtype, cache): the output head
     left to `logits`, so a caller can run it over slices (the trainer's chunked logprobs)."""
-    return self.module(params).hidden(tokens, positions, mask, cache, cache_index, key_positions, rope_tables)
+    return self.module(params).hidden(tokens, positions, mask, cache, cache_index, key_positions, rope_tables,
+                                      self.dropout_key)
 
   def logits(self, params, hidden, columns=None):
     """Hidden states [..., d_model] from apply_hidden -> fp32 logits [..., vocab], as apply

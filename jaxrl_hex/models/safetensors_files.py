@@ -75,10 +75,11 @@ def read_header(path: str) -> dict:
 
 
 class SafetensorsDir:
-  """Every tensor of a model directory by name; read(name, box) copies out one block."""
+  """Every tensor of a model directory by name; read(name, box) copies out one block. single: the
+  name of an unsharded directory's file (a PEFT adapter's is adapter_model.safetensors)."""
 
-  def __init__(self, model_dir: str):
-    index_path, single = os.path.join(model_dir, INDEX), os.path.join(model_dir, SINGLE)
+  def __init__(self, model_dir: str, single: str = SINGLE):
+    index_path, single = os.path.join(model_dir, INDEX), os.path.join(model_dir, single)
     if os.path.isfile(index_path):
       try:
         with open(index_path) as f:
@@ -102,8 +103,9 @@ class SafetensorsDir:
     elif os.path.isfile(single):
       self.entries = read_header(single)
     else:
-      raise HFModelError(f"{model_dir}: neither {SINGLE} nor {INDEX}; a Hugging Face model directory holds its "
-                         "weights as safetensors")
+      raise HFModelError(
+          f"{model_dir}: neither {os.path.basename(single)} nor {INDEX}; a Hugging Face model directory holds its "
+          "weights as safetensors")
     self._maps = {}
 
   def read(self, name: str, box: tuple) -> np.ndarray:
@@ -118,10 +120,10 @@ class SafetensorsDir:
     self._maps.clear()
 
 
-def write_safetensors(out_dir: str, tensors: list, max_shard_bytes: int = 4 << 30) -> list:
+def write_safetensors(out_dir: str, tensors: list, max_shard_bytes: int = 4 << 30, single: str = SINGLE) -> list:
   """tensors: (name, shape, dtype, fetch) with fetch() -> np.ndarray, called once, in order.
 
-  Writes model.safetensors, or model-0000i-of-0000N.safetensors shards of at most
+  Writes `single` (model.safetensors), or model-0000i-of-0000N.safetensors shards of at most
   max_shard_bytes each plus model.safetensors.index.json, holding one tensor in memory at a time.
   """
   shards, size = [[]], 0
@@ -132,7 +134,7 @@ def write_safetensors(out_dir: str, tensors: list, max_shard_bytes: int = 4 << 3
       size = 0
     shards[-1].append(t)
     size += nbytes
-  names = [SINGLE] if len(shards) == 1 else [
+  names = [single] if len(shards) == 1 else [
       f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
   ]
   weight_map, total = {}, 0

@@ -116,7 +116,8 @@ class HFTokenizer:
   def adds_bos(self) -> bool:
     """Whether tokenizer.json itself puts bos_id before a text, as transformers' tokenizer(text) then
     does: the engine's prompts and a transformers user's are then the same ids."""
-    return self._tok.encode("a", add_special_tokens=True).ids[:1] == [self.bos_id]
+    # an empty text: any vocabulary encodes it (a character vocabulary may lack every letter)
+    return self._tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids

@@ -27,6 +27,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from jaxrl_hex.planner import PlanError, cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
+from jaxrl_hex.planner.model_files import with_lora
 
 OBJECTIVES = ("throughput", "cost")
 BISECT_TOL = 1e-4  # relative width at which the makespan bisection stops
@@ -111,6 +112,7 @@ class TrainChoice:
   rows: int = 1
   whole_batch: bool = False  # the micro-batch holds the step's every sequence (no accumulation)
   memory_bytes: float = 0.0  # cost_model.train_memory of that micro-batch, per chip
+  lora: dict = dataclasses.field(default_factory=dict)  # {rank, targets} when only adapters train; {} full FT
 
   @property
   def step_s(self) -> float:
@@ -124,7 +126,10 @@ class TrainChoice:
         "sequence_parallel": self.layout.sequence_parallel,  # written as the train pool's rules
         "micro_batch_tokens": 0 if self.whole_batch else batch_ways * self.rows * self.seq_len,  # 0: one micro-batch
         "memory_gb_per_chip": round(self.memory_bytes / 1e9, 2),
-        "usable_gb_per_chip": round(cm.MEMORY_HEADROOM * dev.hbm_gb, 2)
+        "usable_gb_per_chip": round(cm.MEMORY_HEADROOM * dev.hbm_gb, 2),
+        **({
+            "lora": self.lora
+        } if self.lora else {})  # model.lora: the layout fits because only the adapters train
     }
 
 
@@ -188,8 +193,9 @@ class Plan:
 class Problem:
   """A model on a cluster: the cost-model figures every search (planner or exhaustive) shares."""
 
-  def __init__(self, model_cfg, cluster: Cluster, name="model"):
-    self.m = cm.ModelCost.from_config(model_cfg)
+  def __init__(self, model_cfg, cluster: Cluster, name="model", lora_serving="unmerged"):
+    """lora_serving: with LoRA, how replicas apply the adapters (the run's rollout.lora_serving)."""
+    self.m = cm.ModelCost.from_config(model_cfg, lora_serving)
     self.cluster, self.w, self.name = cluster, cluster.workload, name
     self.devs = {k: cluster.catalog[k] for k in cluster.counts}
     self.total_flops = sum(self.devs[k].flops * n for k, n in cluster.counts.items())
@@ -214,8 +220,14 @@ class Problem:
     fixed = cm.train_time(self.m, dev, best_layout, 0, self.seq_len).total_s
     per_shard = -(-self.w.sequences // (best_layout.data * best_layout.fsdp))
     rows = cm.micro_batch_rows(self.m, dev, best_layout, self.seq_len, per_shard)
-    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw), n * dev.price_per_hour,
-                       self.seq_len, rows, rows >= per_shard, cm.train_memory(self.m, best_layout, self.seq_len, rows))
+    lora = {} if not self.m.lora else {
+        "rank": self.m.lora_rank,
+        "targets": list(self.m.lora_targets),
+        "serving": "merged" if self.m.merged_serving else "unmerged"
+    }
+    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw),
+                       n * dev.price_per_hour, self.seq_len, rows, rows >= per_shard,
+                       cm.train_memory(self.m, best_layout, self.seq_len, rows), lora)
 
   def _sync_bw(self, src, dst):
     same_fabric = src.platform == "tpu" or self.cluster.counts[src.name] <= src.chips_per_host
@@ -265,7 +277,8 @@ class Problem:
     if not any(self.replicas.values()):
       worst = max(self.devs.values(), key=lambda d: d.hbm_gb)
       raise PlanError(
-          f"model '{self.name}' fits no device for rollout: {self.m.weight_bytes / gb:.1f} GB of weights plus "
+          f"model '{self.name}' fits no device for rollout: {cm.resident_weight_bytes(self.m, 1) / gb:.1f} GB of "
+          f"weights plus "
           f"one {self.w.prompt_len}+{self.w.output_max}-token KV cache exceed every type's memory even at the "
           f"largest tensor degree (largest: {worst.name}, {worst.hbm_gb:g} GB x {worst.chips_per_host}); "
           f"add devices with more memory, lower workload.output_len.max, or use a smaller model")
@@ -282,28 +295,34 @@ class Problem:
             f"{self.w.sequences} sequences (workload.batch_size x group_size), tensor the model's heads, KV heads, "
             f"MLP and vocab, and a GPU pool takes whole hosts of {self.devs[k].chips_per_host}; change "
             f"workload.batch_size or the chip counts")
+      lora = "" if self.m.lora else "train LoRA adapters (--lora-rank=16), "
       raise PlanError(
           f"model '{self.name}' fits no device for training: sharded over all {n} {k} it still needs "
           f"{need:.1f} GB per chip (with the memory model's margin) of {cm.MEMORY_HEADROOM * self.devs[k].hbm_gb:.1f} "
-          f"GB usable; add chips or "
-          f"larger-memory devices, lower workload.output_len.max, or use a smaller model")
+          f"GB usable; add chips or larger-memory devices, {lora}lower workload.output_len.max, or use a smaller "
+          f"model")
     smallest = min((r.tensor * self.devs[k].price_per_hour, r.tensor, k) for k, rs in self.replicas.items() for r in rs)
+    lora = ", or train LoRA adapters (--lora-rank=16): their frozen base needs fewer chips" if (
+        not self.m.lora and sum(self.cluster.counts.values()) > 1) else ""
     raise PlanError(
         f"cluster {dict(self.cluster.counts)} cannot host one rollout replica next to a training pool "
         f"(smallest replica: {smallest[1]} x {smallest[2]}; training fits on {trainable[0][1]} x {trainable[0][0]} "
-        f"at most); add devices so both pools fit")
+        f"at most); add devices so both pools fit{lora}")
 
 
 def predict_written(model_cfg, cluster: Cluster, plan_data: dict, name="model") -> Plan:
-  """A plan file's allocation (its train pool's layout, its replica groups) predicted on
-  `cluster`'s catalog and workload: what a refitted catalog (`jaxrl-hex calibrate`) says of a
-  plan already written. Prompts are split over its replicas by the new speeds, as the router
-  would."""
-  prob = Problem(model_cfg, cluster, name)
+  """A plan file's allocation (its train pool's layout, its replica groups, full fine-tuning or
+  its plan.train.lora) predicted on `cluster`'s catalog and workload: what a refitted catalog
+  (`jaxrl-hex calibrate`) says of a plan already written. Prompts are split over its replicas by
+  the new speeds, as the router would."""
+  knobs = plan_data.get("plan", {}).get("train", {})
+  lora = knobs.get("lora") or {}
+  model_cfg = with_lora(model_cfg, lora.get("rank", 0), lora.get("targets"), "plan.train.lora")
+  prob = Problem(model_cfg, cluster, name, lora.get("serving", "unmerged"))
   pools = plan_data["pools"]
   t, r = pools["train"], pools["rollout"]
   axes = t["mesh"]
-  remat = plan_data.get("plan", {}).get("train", {}).get("remat", "none")
+  remat = knobs.get("remat", "none")
   sp = (t.get("rules") or {}).get("length") == "tensor"
   layout = cm.TrainLayout(axes.get("data", 1), axes.get("fsdp", 1), axes.get("tensor", 1), remat, sp)
   train = prob.train_choice(t["device_type"], layout.devices, [layout])
@@ -441,11 +460,12 @@ def better(a: Plan, b, objective) -> bool:
   return sum(a.rollout_devices.values()) < sum(b.rollout_devices.values())
 
 
-def plan(model_cfg, cluster: Cluster, objective="throughput", min_throughput=0.0, name="model") -> Plan:
+def plan(model_cfg, cluster: Cluster, objective="throughput", min_throughput=0.0, name="model",
+         lora_serving="unmerged") -> Plan:
   """The planner: best plan for `objective`; raises PlanError when nothing is feasible."""
   if objective not in OBJECTIVES:
     raise PlanError(f"objective '{objective}' unknown; use one of {OBJECTIVES}")
-  p = Problem(model_cfg, cluster, name)
+  p = Problem(model_cfg, cluster, name, lora_serving)
   w, best, best_any = p.w, None, None
   for train, limits in p.splits():
     opts = p.options(train, limits)
@@ -555,9 +575,10 @@ def _cost_search(p, train, milp_, opts, best, min_throughput):
     cap = cand.price_per_hour - train.price_per_hour - PRICE_STEP
 
 
-def exhaustive_plan(model_cfg, cluster: Cluster, objective="throughput", min_throughput=0.0, name="model"):
+def exhaustive_plan(model_cfg, cluster: Cluster, objective="throughput", min_throughput=0.0, name="model",
+                    lora_serving="unmerged"):
   """Reference search for small clusters: every split and every replica multiset, no MILP."""
-  p = Problem(model_cfg, cluster, name)
+  p = Problem(model_cfg, cluster, name, lora_serving)
   best = None
   for train, limits in p.splits():
     opts = p.options(train, limits)
@@ -586,7 +607,7 @@ def _type_vectors(opts, limit):
 
 
 def homogeneous_alternatives(model_cfg, cluster: Cluster, budget_per_hour, objective="throughput", min_throughput=0.0,
-                             name="model"):
+                             name="model", lora_serving="unmerged"):
   """For each type in the cluster: the plan on as many of that chip as `budget_per_hour` buys.
 
   Returns {type: (count, Plan or PlanError)}; types priced at 0 keep their cluster count.
@@ -600,7 +621,7 @@ def homogeneous_alternatives(model_cfg, cluster: Cluster, budget_per_hour, objec
       continue
     solo = dataclasses.replace(cluster, counts={kind: count})
     try:
-      out[kind] = (count, plan(model_cfg, solo, objective, min_throughput, name))
+      out[kind] = (count, plan(model_cfg, solo, objective, min_throughput, name, lora_serving))
     except PlanError as e:
       out[kind] = (count, e)
   return out

@@ -7,8 +7,8 @@ import shlex
 import yaml
 
 from jaxrl_hex import arguments
-from jaxrl_hex.planner import PlanError, allocate
-from jaxrl_hex.planner.model_files import load_model
+from jaxrl_hex.planner import PlanError, allocate, cost_model as cm
+from jaxrl_hex.planner.model_files import load_model, with_lora
 from jaxrl_hex.planner.simulate import SimSpec, draw_timeline, simulate
 
 
@@ -151,11 +151,13 @@ def format_plan(p: allocate.Plan, model_name, cluster, alternatives, budget) -> 
   t, w = p.train, p.workload
   have = " + ".join(f"{n} {k}" for k, n in cluster.counts.items())
   mesh = " ".join(f"{k}={v}" for k, v in t.layout.mesh().items())
+  lora = f", LoRA rank {t.lora['rank']} on {len(t.lora['targets'])} projections ({t.lora['serving']})" if t.lora else ""
   lines = [
-      f"Plan for {model_name} on {have} (objective: {p.objective})",
+      f"Plan for {model_name}{lora} on {have} (objective: {p.objective})",
       f"  train    {t.layout.devices} x {t.device_type}, mesh {mesh}: step {t.time.total_s:.2f} s "
       f"(roofline {t.time.roofline_s / t.time.efficiency:.2f} s at MFU {t.time.efficiency:.0%}, "
-      f"comm {t.time.comm_s:.2f} s) + weight push {t.send_s:.2f} s"
+      f"comm {t.time.comm_s:.2f} s) + {'adapter' if t.lora else 'weight'} push {t.send_s:.2f} s, "
+      f"{t.memory_bytes / 1e9:.1f} GB per chip"
   ]
   for g in p.groups:
     r = g.option.replica
@@ -198,30 +200,49 @@ def _plan_parser():
   ap.add_argument("--objective", choices=allocate.OBJECTIVES, default="throughput")
   ap.add_argument("--min-throughput", type=float, default=0.0, help="generated tokens/s floor (for --objective cost)")
   ap.add_argument("--catalog", help="extra catalog YAML: overrides or adds device entries")
-  ap.add_argument("--out", help="plan mesh file to write (default: plan-CLUSTER-MODEL.yaml in the current directory)")
+  ap.add_argument(
+      "--lora-rank", type=int, help="train LoRA adapters of this rank on the model file's "
+      "model.lora.targets (frozen base: less memory, adapter-only syncs); 0: full fine-tuning "
+      "(default: the model file's model.lora.rank)")
+  ap.add_argument(
+      "--lora-serving", choices=cm.LORA_SERVING, default="unmerged",
+      help="with LoRA, how rollout replicas apply the adapters, as the run's rollout.lora_serving: "
+      "beside the base, or merged into a copy of the targeted weights (more memory)")
+  ap.add_argument("--out", help="plan mesh file to write (default: plan-CLUSTER-MODEL[-loraR].yaml in the current "
+                  "directory)")
   ap.add_argument("--json", action="store_true", help="print the plan file as JSON instead of text")
   return ap
 
 
-def make_plan(cluster_file, model, objective="throughput", min_throughput=0.0, catalog=None):
-  """What `plan` prints and writes: (plan, model name, cluster, homogeneous alternatives, budget)."""
+def make_plan(cluster_file, model, objective="throughput", min_throughput=0.0, catalog=None, lora_rank=None,
+              lora_serving="unmerged"):
+  """What `plan` prints and writes: (plan, model name, cluster, homogeneous alternatives, budget).
+  lora_rank: model.lora.rank to plan for (None: the model file's); lora_serving: rollout.lora_serving."""
   model_name, cfg = load_model(model)
+  if lora_rank is not None:
+    cfg = with_lora(cfg, lora_rank)
   cluster = allocate.load_cluster(cluster_file, catalog)
-  p = allocate.plan(cfg, cluster, objective, min_throughput, model_name)
+  p = allocate.plan(cfg, cluster, objective, min_throughput, model_name, lora_serving)
   budget = sum(cluster.catalog[k].price_per_hour * n for k, n in cluster.counts.items())
-  alternatives = allocate.homogeneous_alternatives(cfg, cluster, budget, objective, min_throughput, model_name)
+  alternatives = allocate.homogeneous_alternatives(cfg, cluster, budget, objective, min_throughput, model_name,
+                                                   lora_serving)
   return p, model_name, cluster, alternatives, budget
 
 
 def _plan(args):
   p, model_name, cluster, alternatives, budget = make_plan(args.cluster, args.model, args.objective,
-                                                           args.min_throughput, args.catalog)
+                                                           args.min_throughput, args.catalog, args.lora_rank,
+                                                           args.lora_serving)
   mesh = plan_to_mesh(p, model_name, cluster, alternatives)
   # the current directory, never beside the cluster file: that may be a checkout's meshes/ or read-only
-  out = pathlib.Path(args.out or f"plan-{pathlib.Path(args.cluster).stem.removeprefix('cluster-')}-{model_name}.yaml")
+  lora = f"-lora{p.train.lora['rank']}" if p.train.lora else ""
+  out = pathlib.Path(args.out or
+                     f"plan-{pathlib.Path(args.cluster).stem.removeprefix('cluster-')}-{model_name}{lora}.yaml")
   command = ["jaxrl-hex", "plan", "--cluster", args.cluster, "--model", args.model, "--objective", args.objective]
   command += ["--min-throughput", f"{args.min_throughput:g}"] if args.min_throughput else []
   command += ["--catalog", args.catalog] if args.catalog else []
+  command += ["--lora-rank", str(args.lora_rank)] if args.lora_rank is not None else []
+  command += ["--lora-serving", args.lora_serving] if args.lora_serving != "unmerged" else []
   out.write_text(f"# Written by `{shlex.join(command + ['--out', str(out)])}`.\n" +
                  yaml.safe_dump(mesh, sort_keys=False))
   if args.json:

@@ -6,7 +6,7 @@ overhead, so calibration can fit the efficiency factors against measured runs li
 import dataclasses
 import math
 
-from jaxrl_hex.models.config import kv_bytes_per_token, param_count
+from jaxrl_hex.models.config import kv_bytes_per_token, lora_targets, lora_weight_dims, param_count
 from jaxrl_hex.planner import PlanError
 
 # Fraction of HBM the planner fills: the rest is XLA scratch, fragmentation and runtime buffers.
@@ -36,6 +36,14 @@ SAVED_BYTES = {"none": (32.3, 26.3), "dots": (9.6, 10.1), "full": (5.7, 0.0)}
 # of d_model / tensor, fitted to its own points. Under the other policies the saved dot outputs
 # do not all split, so the planner counts them as without it (an upper bound, by XLA's figures).
 SP_SAVED_BYTES = 7.75
+# With LoRA under remat "dots" XLA's peak holds, beyond the terms above, about this many bytes
+# per element of the adapted projections' outputs, per token and layer, split over tensor as
+# those outputs are (whole for o_proj and down_proj, whose output is the residual stream): 3.6-4.1
+# on three all-projection points of benchmarks/lora_memory.py (an fp32 [tokens, out] per adapted
+# projection; not the saveable (xA)B product alone: excluding it from the policy left the peak as
+# it was). "none" and "full" need no such term: the saved terms above are within 6% there.
+LORA_DOTS_SAVED_BYTES = 4.0
+RESIDUAL_OUTPUTS = ("self_attn.o_proj", "mlp.down_proj")
 # The fit's largest under-estimate (-10%): a layout fits when its estimate times 1 + this margin
 # fits, so no fitted point the planner would pass overflows.
 TRAIN_MEMORY_MARGIN = 0.11
@@ -45,7 +53,11 @@ RECOMPUTE_FLOPS = {"none": 0.0, "dots": 0.0, "full": 2.0}
 RECOMPUTES_ATTENTION = {"none": 0, "dots": 1, "full": 1}
 REMATS = ("none", "dots", "full")  # least recompute first
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# LoRA adapters are float32 whatever model.param_dtype is (models/lora.py), and so are their
+# gradients and Adam's moments.
+ADAPTER_BYTES = 4
 OUTPUT_DISTS = ("fixed", "lognormal", "uniform")
+LORA_SERVING = ("unmerged", "merged")
 
 
 def dtype_bytes(name) -> int:
@@ -120,20 +132,69 @@ class ModelCost:
   head_dim: int
   mlp_dim: int
   vocab: int
+  # LoRA (model.lora.rank > 0): only the adapters train, hold optimizer state and sync; the base is
+  # frozen. Every adapted projection has one d_model side (split over fsdp by meshes.DEFAULT_RULES)
+  # and one heads / MLP side (split over tensor), and so has each of its factors A and B.
+  lora_rank: int = 0
+  lora_targets: tuple = ()  # PEFT names of the adapted projections (models.config.LORA_TARGETS)
+  adapter_embed_params: int = 0  # adapter elements along d_model, over all layers
+  adapter_wide_params: int = 0  # adapter elements along heads x head_dim or mlp_dim
+  targeted_bytes: float = 0.0  # the adapted projections' weights in param dtype (a merged copy)
+  adapted_out_embed: int = 0  # per token and layer: the adapted projections' output elements along d_model
+  adapted_out_wide: int = 0  # ... along heads x head_dim or mlp_dim
+  merged_serving: bool = False  # replicas fold the adapters into a copy of those weights (LoRA only)
 
   @classmethod
-  def from_config(cls, cfg) -> "ModelCost":
+  def from_config(cls, cfg, lora_serving="unmerged") -> "ModelCost":
+    """lora_serving: with LoRA, how rollout replicas apply the adapters (rollout.lora_serving):
+    "unmerged" beside the base, or "merged" into a copy of the adapted weights."""
+    if lora_serving not in LORA_SERVING:
+      raise PlanError(f"lora serving '{lora_serving}' unknown; use one of {LORA_SERVING} (rollout.lora_serving)")
     act = dtype_bytes(cfg.dtype)
     p, pbytes = param_count(cfg), dtype_bytes(cfg.param_dtype)
     layer = (p - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2) - cfg.d_model) / cfg.n_layers
     return cls(params=p, weight_bytes=p * pbytes, layer_weight_bytes=layer * pbytes,
                kv_bytes_token=kv_bytes_per_token(cfg, act), act_bytes=act, n_layers=cfg.n_layers, d_model=cfg.d_model,
                n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
-               vocab=cfg.vocab_size)
+               vocab=cfg.vocab_size, **_lora_fields(cfg, pbytes, lora_serving))
+
+  @property
+  def lora(self) -> bool:
+    return bool(self.lora_rank)
+
+  @property
+  def adapter_params(self) -> int:
+    return self.adapter_embed_params + self.adapter_wide_params
+
+  @property
+  def adapter_bytes(self) -> float:
+    return ADAPTER_BYTES * self.adapter_params
+
+  @property
+  def trained_bytes(self) -> float:
+    """The trained parameters: the adapters (fp32) with LoRA, else every weight. What one weight
+    sync moves, and the size of their gradients."""
+    return self.adapter_bytes if self.lora else self.weight_bytes
+
+  def adapter_shard(self, fsdp: int, tensor: int) -> float:
+    """Adapter elements one chip holds on a mesh of these fsdp and tensor degrees."""
+    return self.adapter_embed_params / fsdp + self.adapter_wide_params / tensor
 
   def attn_flops(self, tokens, context) -> float:
     """Forward attention-score FLOPs (QK^T and AV) for `tokens` each attending `context` keys."""
     return 4.0 * self.n_layers * self.n_heads * self.head_dim * tokens * context
+
+
+def _lora_fields(cfg, pbytes: int, lora_serving: str) -> dict:
+  """ModelCost's LoRA fields of a model config (all zero at rank 0: no projection is adapted)."""
+  targets, r, dims, d = lora_targets(cfg), cfg.lora.rank, lora_weight_dims(cfg), cfg.d_model
+  return dict(lora_rank=r if targets else 0, lora_targets=targets,
+              adapter_embed_params=cfg.n_layers * r * d * len(targets),
+              adapter_wide_params=cfg.n_layers * r * sum(sum(dims[n]) - d for n in targets),
+              targeted_bytes=cfg.n_layers * pbytes * sum(dims[n][0] * dims[n][1] for n in targets),
+              adapted_out_embed=sum(dims[n][1] for n in targets if n in RESIDUAL_OUTPUTS),
+              adapted_out_wide=sum(dims[n][1] for n in targets if n not in RESIDUAL_OUTPUTS),
+              merged_serving=bool(targets) and lora_serving == "merged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,15 +246,26 @@ class TrainLayout:
 def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int, rows: int = 1) -> float:
   """Peak bytes per chip of a train step whose micro-batch puts `rows` rows of `seq_len` tokens on
   each batch shard: params, gradients and Adam's two moments (all in param dtype, as optax keeps
-  them) sharded over fsdp x tensor, plus the fitted terms above."""
+  them) sharded over fsdp x tensor, plus the fitted terms above. With LoRA the base is frozen
+  (its params alone, no gradient or moments) and the fp32 adapters carry all four and the
+  optimizer's temporaries; the backward pass still keeps the activations through the frozen
+  weights, so the saved terms are the same (under remat "dots" plus LORA_DOTS_SAVED_BYTES)."""
   shards, t = layout.fsdp * layout.tensor, layout.tensor
-  state = 4 * m.weight_bytes / shards
+  if m.lora:
+    trained = m.adapter_shard(layout.fsdp, t)
+    state = m.weight_bytes / shards + 4 * ADAPTER_BYTES * trained
+  else:
+    trained = m.params / shards
+    state = 4 * m.weight_bytes / shards
   head = HEAD_BYTES * m.vocab * m.d_model / t
   per_d, per_mlp = SAVED_BYTES[layout.remat]
   if layout.sequence_parallel and layout.remat == "full":
     per_d = SP_SAVED_BYTES / t
-  saved = (per_d * m.d_model + per_mlp * m.mlp_dim / t) * m.n_layers * rows * seq_len
-  return state + head + OPT_TEMP_BYTES * m.params / shards + saved
+  per_token = per_d * m.d_model + per_mlp * m.mlp_dim / t
+  if m.lora and layout.remat == "dots":
+    per_token += LORA_DOTS_SAVED_BYTES * (m.adapted_out_embed + m.adapted_out_wide / t)
+  saved = per_token * m.n_layers * rows * seq_len
+  return state + head + OPT_TEMP_BYTES * trained + saved
 
 
 def train_fits(m: ModelCost, dev, layout: TrainLayout, seq_len: int, rows: int = 1) -> bool:
@@ -206,18 +278,23 @@ def train_time(m: ModelCost, dev, layout: TrainLayout, tokens: float, seq_len: i
 
   FLOPs per token: 6N for forward+backward plus 2N for the proximal-logprob forward pass the
   decoupled PPO loss needs, plus causal attention for each of those passes, plus what the remat
-  policy recomputes.
+  policy recomputes. With LoRA the backward pass computes no weight gradient of a frozen weight
+  (autodiff differentiates the adapters alone), only the activation gradients through it: 4N
+  for forward+backward of the base's matmuls, and 6 per adapter parameter (A and B are matmuls
+  too, with their weight gradients) in every pass beside them.
   """
   n = layout.devices
-  flops = tokens * (8.0 + RECOMPUTE_FLOPS[layout.remat]) * m.params
+  per_pass = m.params + m.adapter_params  # 2 FLOPs each per token and pass: forward, or activation gradients
+  trained = m.adapter_params if m.lora else m.params  # 2 more each: weight gradients
+  flops = tokens * ((6.0 + RECOMPUTE_FLOPS[layout.remat]) * per_pass + 2.0 * trained)
   flops += (4 + RECOMPUTES_ATTENTION[layout.remat]) * m.attn_flops(tokens, seq_len / 2)
   roofline = flops / (n * dev.flops)
   t, f, d = layout.tensor, layout.fsdp, layout.data
-  shard = m.weight_bytes / t
+  shard, grads = (m.weight_bytes + m.adapter_bytes) / t, m.trained_bytes / t
   # FSDP: gather params for forward and backward, reduce-scatter grads (once per step:
   # micro-batches reuse the gathered layer); data parallel: all-reduce the grad shards.
-  comm = 3 * _collective_bytes(shard, f) / dev.group_bw(f * t)
-  comm += 2 * _collective_bytes(shard / f, d) / dev.group_bw(n)
+  comm = (2 * _collective_bytes(shard, f) + _collective_bytes(grads, f)) / dev.group_bw(f * t)
+  comm += 2 * _collective_bytes(grads / f, d) / dev.group_bw(n)
   # Tensor parallel: 2 activation all-reduces per layer in each of forward, backward and
   # the proximal forward, over the tokens this tensor group processes.
   act = tokens / (d * f) * m.d_model * m.act_bytes
@@ -307,9 +384,30 @@ def _kv_per_chip(m: ModelCost, tensor: int) -> float:
   return m.kv_bytes_token / min(tensor, m.n_kv_heads)
 
 
+def _adapters_served(m: ModelCost) -> bool:
+  """Whether a replica computes with the adapters beside the base (LoRA, not merged)."""
+  return m.lora and not m.merged_serving
+
+
+def weight_read_bytes(m: ModelCost, tensor: int) -> float:
+  """Weight bytes per chip a replica's forward pass reads: the base's shard (merged, with the
+  adapted weights' merged copy in place of theirs), and unmerged adapters beside it."""
+  return m.weight_bytes / tensor + (ADAPTER_BYTES * m.adapter_shard(1, tensor) if _adapters_served(m) else 0.0)
+
+
+def resident_weight_bytes(m: ModelCost, tensor: int) -> float:
+  """Weight bytes per chip a replica holds: what it reads and, serving merged, the base's adapted
+  weights beside their merged copy (a sync moves adapters only, folded into the base again)."""
+  return weight_read_bytes(m, tensor) + (m.targeted_bytes / tensor if m.lora and m.merged_serving else 0.0)
+
+
+def _served_params(m: ModelCost) -> int:
+  return m.params + (m.adapter_params if _adapters_served(m) else 0)
+
+
 def kv_capacity(m: ModelCost, dev, tensor: int) -> float:
-  """Bytes per chip left for KV cache after the weight shard."""
-  return MEMORY_HEADROOM * dev.hbm_bytes - m.weight_bytes / tensor
+  """Bytes per chip left for KV cache after the weights (resident_weight_bytes)."""
+  return MEMORY_HEADROOM * dev.hbm_bytes - resident_weight_bytes(m, tensor)
 
 
 def decode_time(m: ModelCost, dev, tensor: int, batch: int, context: float) -> TimeParts:
@@ -317,7 +415,7 @@ def decode_time(m: ModelCost, dev, tensor: int, batch: int, context: float) -> T
   over HBM, or their FLOPs once the batch is large enough) and then attention (the KV cache
   read, or its FLOPs) -- two kernel classes one after the other, each at its own roofline and
   efficiency -- plus 2 tensor all-reduces and a fixed launch overhead per layer."""
-  matmuls = max(m.weight_bytes / tensor / dev.hbm_bw, 2.0 * m.params * batch / tensor / dev.flops)
+  matmuls = max(weight_read_bytes(m, tensor) / dev.hbm_bw, 2.0 * _served_params(m) * batch / tensor / dev.flops)
   attention = max(batch * context * _kv_per_chip(m, tensor) / dev.hbm_bw,
                   m.attn_flops(batch, context) / tensor / dev.flops)
   act = batch * m.d_model * m.act_bytes
@@ -327,8 +425,8 @@ def decode_time(m: ModelCost, dev, tensor: int, batch: int, context: float) -> T
 
 def prefill_time(m: ModelCost, dev, tensor: int, prompt_len: int) -> TimeParts:
   """One prompt's prefill: compute bound (weights are read once for the whole prompt)."""
-  flops = (2.0 * m.params * prompt_len + m.attn_flops(prompt_len, prompt_len / 2)) / tensor
-  roofline = max(flops / dev.flops, m.weight_bytes / tensor / dev.hbm_bw)
+  flops = (2.0 * _served_params(m) * prompt_len + m.attn_flops(prompt_len, prompt_len / 2)) / tensor
+  roofline = max(flops / dev.flops, weight_read_bytes(m, tensor) / dev.hbm_bw)
   act = prompt_len * m.d_model * m.act_bytes
   comm = 2 * m.n_layers * 2 * _collective_bytes(act, tensor) / dev.group_bw(tensor)
   return TimeParts(roofline, comm, dev.rollout_eff, dev.decode_overhead_s)
@@ -384,11 +482,14 @@ def sync_bw(src, dst, same_fabric: bool) -> float:
 
 
 def sync_send_time(m: ModelCost, n_train: int, bw: float) -> float:
-  """Trainer side of a weight sync: the pool pushes one full copy out at its aggregate bandwidth
-  (replicas relay it onward, so more replicas do not add to the sender's share)."""
-  return m.weight_bytes / (n_train * bw)
+  """Trainer side of a weight sync: the pool pushes one copy of m.trained_bytes (the weights, or with
+  LoRA the adapters) out at its aggregate bandwidth (replicas relay it onward, so more replicas
+  do not add to the sender's share)."""
+  return m.trained_bytes / (n_train * bw)
 
 
 def sync_recv_time(m: ModelCost, tensor: int, bw: float) -> float:
-  """Rollout side: each replica chip takes its 1/tensor shard of the weights, pausing generation."""
-  return m.weight_bytes / tensor / bw
+  """Rollout side: each replica chip takes its shard, pausing generation: 1/tensor of the weights,
+  or with LoRA the adapters as a replica holds them (their d_model side whole on every chip)."""
+  chip = ADAPTER_BYTES * m.adapter_shard(1, tensor) if m.lora else m.weight_bytes / tensor
+  return chip / bw

@@ -1,7 +1,8 @@
 """Model config files the planner reads: configs/models/NAME.py, whose get_config() returns a
-models.config.model_config(...)."""
+models.config.model_config(...), and its LoRA setting (model.lora: the file's, or a plan's)."""
 import pathlib
 
+from jaxrl_hex.models.config import check_lora
 from jaxrl_hex.planner import PlanError
 from jaxrl_hex.specs import load_module
 
@@ -26,3 +27,17 @@ def load_model(arg):
   except ValueError as e:
     raise PlanError(f"model file {found}: {e}") from None
   return found.stem, cfg
+
+
+def with_lora(cfg, rank: int, targets=None, where="--lora-rank"):
+  """A copy of model config `cfg` with model.lora.rank (and .targets, when given) set, checked as
+  the run checks them; rank 0 is full fine-tuning."""
+  out = cfg.copy_and_resolve_references()
+  try:
+    out.lora.rank = rank
+    if targets is not None:
+      out.lora.targets = tuple(targets)
+    check_lora(out)
+  except (TypeError, ValueError) as e:
+    raise PlanError(f"{where}: {e}") from None
+  return out

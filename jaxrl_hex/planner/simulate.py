@@ -243,30 +243,56 @@ MAX_ROWS = 32  # replicas drawn; the rest are summarised in the title
 
 def draw_timeline(result: SimResult, spec: SimSpec, path, title=""):
   """Timeline PNG: trainer steps, each replica's generating and weight-sync intervals, staleness."""
+  fig = timeline_figure(result, spec, title)
+  import matplotlib.pyplot as plt
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def timeline_figure(result: SimResult, spec: SimSpec, title=""):
+  """The timeline's figure (the caller saves and closes it). Bars are drawn to scale, without
+  edges: an edge would widen each short weight sync by a pixel."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import MaxNLocator
 
   rows = min(len(spec.replicas), MAX_ROWS)
-  fig, (ax, hist) = plt.subplots(1, 2, figsize=(14, 2 + 0.3 * rows), width_ratios=[4, 1])
-  ax.broken_barh([(a, b - a) for a, b in result.train_segments], (rows + 0.6, 0.8), color="tab:blue")
+  fig, (ax, hist) = plt.subplots(1, 2, figsize=(14, 2.4 + 0.3 * rows), width_ratios=[4, 1])
+  bars = dict(linewidth=0, snap=False)
+  ax.broken_barh([(a, b - a) for a, b in _joined(result.train_segments)], (rows + 0.6, 0.8), color="tab:blue", **bars)
   for i in range(rows):
-    ax.broken_barh([(a, b - a) for a, b in result.replica_busy[i]], (i + 0.1, 0.8), color="tab:green")
-    ax.broken_barh([(a, b - a) for a, b in result.replica_sync[i]], (i + 0.1, 0.8), color="tab:red")
+    ax.broken_barh([(a, b - a) for a, b in result.replica_busy[i]], (i + 0.1, 0.8), color="tab:green", **bars)
+    ax.broken_barh([(a, b - a) for a, b in result.replica_sync[i]], (i + 0.1, 0.8), color="tab:red", **bars)
   ax.set_yticks([i + 0.5 for i in range(rows)] + [rows + 1.0])
   ax.set_yticklabels([f"{r.device_type} tp{r.tensor} #{i}" for i, r in enumerate(spec.replicas[:rows])] + ["trainer"],
                      fontsize=7)
+  ax.set_ylim(0, rows + 1.5)
   ax.set_xlim(0, result.duration_s)
   ax.set_xlabel("seconds")
   more = f" (+{len(spec.replicas) - rows} replicas not drawn)" if len(spec.replicas) > rows else ""
-  ax.set_title(
-      f"{title} {result.gen_tokens_per_s:,.0f} generated tok/s; trainer idle "
-      f"{result.trainer_idle_frac:.0%}, rollout idle {result.rollout_idle_frac:.0%}{more}", fontsize=9)
+  fig.suptitle(
+      f"{title} {result.gen_tokens_per_s:,.0f} generated tok/s; trainer idle {result.trainer_idle_frac:.0%}, "
+      f"rollout idle {result.rollout_idle_frac:.0%}, weight sync {result.sync_frac:.1%}{more}", fontsize=9)
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:green", "tab:red")]
-  ax.legend(handles, ["train step", "generating", "weight sync"], loc="upper right", fontsize=7)
-  hist.bar([str(k) for k in result.staleness], list(result.staleness.values()), color="tab:gray")
+  # on a line of its own above the axes: inside, it would cover the trainer's row
+  ax.legend(handles, ["train step", "generating", "weight sync"], loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3,
+            fontsize=7, frameon=False, borderaxespad=0.2)
+  hist.bar(list(result.staleness), list(result.staleness.values()), color="tab:gray")
+  hist.xaxis.set_major_locator(MaxNLocator(integer=True))  # as many whole versions as fit without overlap
   hist.set_xlabel(f"staleness (eta={spec.workload.eta})")
   hist.set_ylabel("samples")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  return fig
+
+
+def _joined(segments):
+  """Sorted (start, end) segments with back-to-back ones joined: bars that touch leave a pale seam
+  where their antialiased edges meet, which would read as idle time."""
+  out = []
+  for a, b in segments:
+    if out and a <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], b))
+    else:
+      out.append((a, b))
+  return out

@@ -5,6 +5,11 @@ start pass once on the whole batch (advantages, loss weights, reference / proxim
 forward passes), then takes one optimizer update per minibatch, accumulating gradients over its
 micro-batches inside one jitted call. What is optimised is an objective (rl.objectives); the
 trainer only owns state, shardings and the policy version. It never imports the engine.
+
+With LoRA (model.lora.rank > 0) what is trained is the adapters alone: `params` are the adapters
+(with their optimizer state, checkpointed and published), `frozen` the base, an argument of every
+program but never donated, differentiated or copied; the KL reference is the base itself (every
+adapter's B zero). Without LoRA `frozen` is empty and `params` is the whole model.
 """
 import dataclasses
 import functools
@@ -16,6 +21,7 @@ import numpy as np
 import optax
 
 from jaxrl_hex.errors import UserError
+from jaxrl_hex.models import lora
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.sharding import activation_sharding
 from jaxrl_hex.rl import packing
@@ -47,12 +53,19 @@ def critic_init(critic, params):
 class Trainer:
   """step(batch) -> metrics; weights() -> (version, params). Version = trainer steps taken."""
 
-  def __init__(self, policy, pool, optimizer, objective, params, ref_params=None):
+  def __init__(self, policy, pool, optimizer, objective, params, ref_params=None, base_reference=False):
+    """params: the whole model's (base and adapters). ref_params: a frozen reference for the KL;
+    base_reference: with LoRA, the reference is the base (no copy; ref_params must be None)."""
     self.pool, self.tx, self.objective = pool, optimizer, objective
-    self.param_shardings = pool.shardings_for(policy.logical_axes(), policy.shapes())
+    shardings, shapes = policy.split(pool.shardings_for(policy.logical_axes(),
+                                                        policy.shapes())), policy.split(policy.shapes())
+    self.param_shardings, frozen_shardings = shardings
+    params, frozen = policy.split(params)
     self.params = jax.device_put(params, self.param_shardings)
+    self.frozen = jax.device_put(frozen, frozen_shardings)
     self.ref_params = None if ref_params is None else jax.device_put(ref_params, self.param_shardings)
-    opt_shardings = optimizer_shardings(pool, self.tx, self.param_shardings, policy.shapes())
+    self._base_reference = base_reference and policy.lora
+    opt_shardings = optimizer_shardings(pool, self.tx, self.param_shardings, shapes[0])
     self.opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(self.params)
     self.critic = self.critic_params = self.critic_opt_state = self.critic_tx = None
     critic_shardings = critic_opt_shardings = None
@@ -60,7 +73,7 @@ class Trainer:
       self.critic, self.critic_tx = critic_model(policy), objective.critic_optimizer
       critic_shardings = pool.shardings_for(self.critic.logical_axes(), self.critic.shapes())
       self.critic_params = jax.jit(functools.partial(critic_init, self.critic),
-                                   out_shardings=critic_shardings)(self.params)
+                                   out_shardings=critic_shardings)(self.whole())
       critic_opt_shardings = optimizer_shardings(pool, self.critic_tx, critic_shardings, self.critic.shapes())
       self.critic_opt_state = jax.jit(self.critic_tx.init, out_shardings=critic_opt_shardings)(self.critic_params)
     self.version = 0
@@ -71,6 +84,16 @@ class Trainer:
     self._gradients = jax.jit(_on(pool, functools.partial(_accumulate, objective, models)),
                               static_argnames=("num_seqs",))
     self._score = jax.jit(_on(pool, functools.partial(token_logprobs, policy)))
+
+  def whole(self, params=None) -> dict:
+    """The whole model's params: `params` (default the trained ones) with the frozen base."""
+    return lora.merge(self.params if params is None else params, self.frozen)
+
+  def reference(self):
+    """The KL reference's params, or None: the stored copy, or with LoRA the base (zero B)."""
+    if self._base_reference:
+      return self.whole(lora.zeros_like_b(self.params))
+    return self.ref_params
 
   def plan(self, batch: TrainBatch) -> packing.Layout:
     n = batch.tokens.shape[0]
@@ -84,7 +107,7 @@ class Trainer:
     layout = self.plan(batch)
     rows, per_seq, slot, minibatch_of = step_inputs(self.pool, layout, batch)
     data, metrics = self._start(
-        StartInputs(self.params, rows, per_seq, slot, minibatch_of, self.ref_params, self.critic_params))
+        StartInputs(self.whole(), rows, per_seq, slot, minibatch_of, self.reference(), self.critic_params))
     return layout, rows, data, metrics
 
   def step(self, batch: TrainBatch) -> dict:
@@ -93,7 +116,7 @@ class Trainer:
     metrics = []
     for m in range(layout.shape[0]):
       self.params, self.opt_state, self.critic_params, self.critic_opt_state, mm = self._update(
-          self.params, self.opt_state, self.critic_params, self.critic_opt_state, rows, data, self._i32(m),
+          self.params, self.opt_state, self.critic_params, self.critic_opt_state, self.frozen, rows, data, self._i32(m),
           self._i32(self.version), num_seqs=layout.slot.shape[0] + 1)
       metrics.append(mm)
     metrics = jax.device_get((start_metrics, metrics))
@@ -107,10 +130,10 @@ class Trainer:
     return out
 
   def gradients(self, batch: TrainBatch):
-    """(loss, policy grads) of the batch's first minibatch at the current params; no update."""
+    """(loss, grads of the trained params) of the batch's first minibatch at the current params; no update."""
     layout, rows, data, _ = self._prepare(batch)
-    loss, grads, _ = self._gradients(self.params, self.critic_params, rows, data, self._i32(0), self._i32(self.version),
-                                     num_seqs=layout.slot.shape[0] + 1)
+    loss, grads, _ = self._gradients(self.params, self.critic_params, self.frozen, rows, data, self._i32(0),
+                                     self._i32(self.version), num_seqs=layout.slot.shape[0] + 1)
     return loss, grads[0]
 
   def score(self, batch: TrainBatch) -> np.ndarray:
@@ -118,7 +141,7 @@ class Trainer:
     rows (the weight-sync probe), so they are replicated over the pool, not split."""
     put = lambda x: jax.device_put(x, self.pool.replicated())
     scored = TrainBatch(tokens=put(batch.tokens), valid=put(batch.valid), loss_mask=put(batch.loss_mask))
-    return np.asarray(jax.device_get(self._score(self.params, scored)[0]))
+    return np.asarray(jax.device_get(self._score(self.whole(), scored)[0]))
 
   def _i32(self, value):
     """A scalar argument replicated on the pool, as footprint.train_step compiles it, so the
@@ -126,10 +149,12 @@ class Trainer:
     return jax.device_put(jnp.int32(value), self.pool.replicated())
 
   def weights(self):
+    """(version, the trained params): with LoRA the adapters alone, which is all a sync moves."""
     return self.version, self.params
 
   def state(self) -> dict:
-    """Everything a checkpoint must hold to resume this trainer."""
+    """Everything a checkpoint must hold to resume this trainer (with LoRA not the base: the run
+    names where it came from)."""
     state = {"params": self.params, "opt_state": self.opt_state}
     if self.ref_params is not None:
       state["ref_params"] = self.ref_params
@@ -188,37 +213,46 @@ def start_program(pool, objective, models):
 
 def update_program(pool, objective, models, tx, critic_tx, state_shardings):
   """The jitted optimizer update of one minibatch: (params, opt_state, critic_params,
-  critic_opt_state, rows, data, m, version; num_seqs) -> (the four updated, metrics). The state
-  is donated and its output shardings pinned to `state_shardings` (the four states' shardings),
+  critic_opt_state, frozen, rows, data, m, version; num_seqs) -> (the four updated, metrics). The state
+  is donated (not the frozen base) and its output shardings pinned to `state_shardings` (the four states' shardings),
   since XLA may otherwise pick new layouts for it. Built from shardings alone, so a footprint
   can compile it without params (jaxrl_hex.footprint)."""
   return jax.jit(_on(pool, functools.partial(_update, objective, models, tx, critic_tx)), donate_argnums=(0, 1, 2, 3),
                  static_argnames=("num_seqs",), out_shardings=(*state_shardings, None))
 
 
-def _accumulate(objective, models, params, critic_params, rows, data, m, version, num_seqs):
+def _accumulate(objective, models, params, critic_params, frozen, rows, data, m, version, num_seqs):
   """Loss, (policy, critic) grads and metrics of minibatch m, summed over its micro-batches
-  (the objective's per-token weights are normalised over the minibatch, so sums are exact)."""
-  grad_fn = jax.value_and_grad(objective.loss, argnums=(2, 3), has_aux=True)
+  (the objective's per-token weights are normalised over the minibatch, so sums are exact).
+  Gradients are of `params` only: the frozen base is a constant."""
+  policy, critic = models
+
+  def loss_of(params, critic_params, micro, index):
+    dropout = policy.lora and policy.cfg.lora.dropout > 0  # a fresh mask per update and micro-batch
+    model = policy.with_dropout(jax.random.fold_in(jax.random.key(version), m * 65536 + index)) if dropout else policy
+    return objective.loss(model, critic, lora.merge(params, frozen), critic_params, *micro, m, version, num_seqs)
+
+  grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
   micro_batches = jax.tree.map(lambda x: x[m], (rows, data))  # [K, R, L]
 
-  def one(micro):
-    (loss, metrics), grads = grad_fn(*models, params, critic_params, *micro, m, version, num_seqs)
+  def one(micro, index):
+    (loss, metrics), grads = grad_fn(params, critic_params, micro, index)
     return loss, grads, metrics
 
   add = lambda a, b: jax.tree.map(jnp.add, a, b)
-  first = one(jax.tree.map(lambda x: x[0], micro_batches))
+  first = one(jax.tree.map(lambda x: x[0], micro_batches), 0)
   if rows.tokens.shape[1] == 1:
     return first
   rest = jax.tree.map(lambda x: x[1:], micro_batches)
-  total, _ = jax.lax.scan(lambda acc, micro: (add(acc, one(micro)), None), first, rest)
+  count = rows.tokens.shape[1] - 1
+  total, _ = jax.lax.scan(lambda acc, xs: (add(acc, one(*xs)), None), first, (rest, jnp.arange(1, count + 1)))
   return total
 
 
-def _update(objective, models, tx, critic_tx, params, opt_state, critic_params, critic_opt_state, rows, data, m,
+def _update(objective, models, tx, critic_tx, params, opt_state, critic_params, critic_opt_state, frozen, rows, data, m,
             version, num_seqs):
-  loss, (grads, critic_grads), metrics = _accumulate(objective, models, params, critic_params, rows, data, m, version,
-                                                     num_seqs)
+  loss, (grads, critic_grads), metrics = _accumulate(objective, models, params, critic_params, frozen, rows, data, m,
+                                                     version, num_seqs)
   # a non-finite loss or gradient (a NaN reward got past its check, an overflow) skips the update:
   # params and optimizer state stay as they were, and the step counts it (nonfinite_updates)
   finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))

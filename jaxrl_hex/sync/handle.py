@@ -8,6 +8,7 @@ class Handle(typing.NamedTuple):
   version: int
   payload: typing.Any = None  # orbax: directory of the version; direct: shard manifest
   fingerprint: typing.Any = None  # sync.fingerprint of the published params, on versions it is checked
+  base: typing.Any = None  # LoRA: the Handle of the frozen base, published once; the params are the adapters
 
 
 def target_structs(shapes, shardings):

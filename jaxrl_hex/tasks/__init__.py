@@ -17,7 +17,9 @@ class TaskError(UserError):
 
 @dataclasses.dataclass
 class Task:
-  """train / eval: sequences of dicts with at least 'prompt' and 'answer' (strings).
+  """train / eval: sequences of dicts with at least 'prompt' and 'answer' (strings): lists, or
+  views that read each record on demand (jaxrl_hex.data.files.Records), which the prompt stream
+  reads by index.
 
   reward(prompt, completion, answer) -> float, where 1.0 is a fully correct completion;
   eval accuracy is the mean reward of greedy completions on `eval`. tokenizer defaults to a
@@ -37,12 +39,15 @@ class Task:
       missing = [k for k in ("prompt", "answer") if k not in records[0]]
       if missing:
         raise TaskError(f"task {self.name!r}: {split} records lack {missing}; each record needs 'prompt' and 'answer'")
-    if self.tokenizer is None:
-      text = "".join(r["prompt"] + r["answer"] for split in (self.train, self.eval) for r in split)
-      self.tokenizer = CharTokenizer(text)
+    if self.tokenizer is None:  # one pass over the records, holding only the characters seen
+      chars = set()
+      for split in (self.train, self.eval):
+        for r in split:
+          chars.update(r["prompt"], r["answer"])
+      self.tokenizer = CharTokenizer("".join(chars))
 
 
-BUILTIN = {"arith": "jaxrl_hex.tasks.arithmetic:make_task"}
+BUILTIN = {"arith": "jaxrl_hex.tasks.arithmetic:make_task", "files": "jaxrl_hex.tasks.files:make_task"}
 
 
 def load_task(spec: str, config, check_prompts: bool = False) -> Task:
@@ -71,11 +76,13 @@ def check_prompt_lengths(task: Task, max_prompt_len: int, eval_size: int):
   hours into a run, so all are measured as the task loads."""
   too_long, longest = [], 0
   for split, records in (("train", task.train), ("eval", task.eval[:eval_size])):
-    lengths = [prompt_length(task.tokenizer, r["prompt"]) for r in records]
-    over = sum(n > max_prompt_len for n in lengths)
+    over = 0  # counted as the records stream by: a file-backed split is never a list here
+    for r in records:
+      n = prompt_length(task.tokenizer, r["prompt"])
+      if n > max_prompt_len:
+        over, longest = over + 1, max(longest, n)
     if over:
-      too_long.append(f"{over} of {len(lengths)} {split} prompts")
-      longest = max(longest, *lengths)
+      too_long.append(f"{over} of {len(records)} {split} prompts")
   if too_long:
     raise TaskError(f"rollout.max_prompt_len={max_prompt_len}: {' and '.join(too_long)} of task {task.name!r} are "
                     f"longer (up to {longest} tokens, BOS included); raise it, e.g. "

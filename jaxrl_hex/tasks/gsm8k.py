@@ -85,6 +85,26 @@ def read_jsonl(path: str) -> list[dict]:
   return records
 
 
+def hf_tokenizer(config) -> HFTokenizer:
+  """config.model_dir's tokenizer; task_args.eos_token ("" = its own) names the token that ends a completion."""
+  return HFTokenizer(resolve_path(config.model_dir), eos_token=config.task_args.get("eos_token") or None)
+
+
+def prompt_formatter(tokenizer, args, plain: str):
+  """-> format(text, system=None) -> prompt: a user turn of the model's chat template (when the
+  tokenizer has one and task_args.chat_template is on; system defaults to task_args.system_prompt),
+  else plain.format(prompt=text, system=system or "")."""
+  chat = args.get("chat_template", True) and getattr(tokenizer, "chat_template", None) is not None
+  default_system = args.get("system_prompt") or None
+
+  def format_prompt(text: str, system: str | None = None) -> str:
+    if chat:
+      return tokenizer.prompt(text, system=system or default_system)
+    return plain.format(prompt=text, system=system or default_system or "")
+
+  return format_prompt
+
+
 def make_task(config) -> Task:
   args = config.task_args
   if not args.get("train_file"):
@@ -92,16 +112,11 @@ def make_task(config) -> Task:
                     '(lines of {"question": ..., "answer": ...})')
   if not config.get("model_dir"):
     raise TaskError("gsm8k: set --config.model_dir to a Hugging Face model directory; its tokenizer reads the task")
-  tokenizer = HFTokenizer(resolve_path(config.model_dir), eos_token=args.get("eos_token") or None)
-  chat = args.get("chat_template", True) and tokenizer.chat_template is not None
-
-  def prompt(question):
-    if chat:
-      return tokenizer.prompt(f"{question}\n{INSTRUCTION}", system=args.get("system_prompt") or None)
-    return f"Question: {question}\n{INSTRUCTION}\nAnswer:"
+  tokenizer = hf_tokenizer(config)
+  prompt = prompt_formatter(tokenizer, args, "Question: {prompt}\nAnswer:")
 
   def records(path):
-    return [{"prompt": prompt(r["question"]), "answer": r["answer"]} for r in read_jsonl(path)]
+    return [{"prompt": prompt(f"{r['question']}\n{INSTRUCTION}"), "answer": r["answer"]} for r in read_jsonl(path)]
 
   train = records(args.train_file)
   if args.get("eval_file"):

@@ -386,3 +386,38 @@ def test_a_replica_group_the_ray_cluster_lacks_is_named_before_any_work(ray_sess
   assert "\n" not in message
   assert "pools.rollout.replicas[1] (gpu x2) needs 2 GPUs but the Ray cluster has no GPU" in message
   check_cluster(load_mesh_file(MIXED_MESH))  # the cpu groups fit
+
+
+def test_lora_on_ray_sends_the_base_once_and_then_adapters_only(ray_session, warm_workdir, tmp_path):
+  """LoRA through the two-process trainer and direct sync: the first publish carries the base's
+  manifest (each trainer process its own shards), later ones only the adapters', and the rollout
+  runtime's weights are the trainer's adapters on its base, value for value."""
+  import ray
+
+  from jaxrl_hex.metrics import Recorder
+  from jaxrl_hex.orchestrator import Orchestrator
+  cfg = _ray_cfg(warm_workdir, **{"sync.method": "direct", "model.lora.rank": 4, "train.steps": 2})
+  workdir = str(tmp_path / "lora")
+  rt = build_runtime(cfg)
+  train, rollout = RayTrainSide(rt, workdir, resume=False), RayRolloutSide(rt, workdir)
+  recorder = Recorder(workdir)
+  try:
+    Orchestrator(rt, train, rollout, recorder).run()
+    handle = train.publish()
+    adapters = {k for k in handle.payload}
+    assert adapters and all("_lora" in k for k in adapters), "a version moves the adapters alone"
+    assert any("['embed']" == k for k in handle.base.payload) and not any("_lora" in k for k in handle.base.payload)
+    assert train.publish().base is handle.base  # published once
+    worker = rollout.workers[0]
+    assert ray.get(worker.receive.remote(handle)) == handle.version
+    sent = ray.get([w.fetch_params.remote() for w in train.workers])[0]  # adapters on the base, gathered
+    received = ray.get(worker.fetch_params.remote())
+    assert jax.tree.structure(sent) == jax.tree.structure(received)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sent), jax.tree.leaves(received)):
+      np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") == "train" and "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["kl"] == 0.0
+  finally:
+    train.close()
+    rollout.close()
+    recorder.close()

@@ -6,7 +6,8 @@ import pytest
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.planner import PlanError, allocate as al, cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
-from jaxrl_hex.planner.model_files import REPO, load_model
+from jaxrl_hex.planner.command import plan_to_mesh
+from jaxrl_hex.planner.model_files import REPO, load_model, with_lora
 
 CAT = load_catalog()
 SMALL = cm.Workload(batch_size=8, group_size=4, prompt_len=512, output_mean=2048, output_max=8192)
@@ -171,3 +172,47 @@ def test_synchronous_eta0_adds_the_sides():
   p = al.plan(cfg, c)
   assert p.step_s == pytest.approx(p.train.step_s + p.rollout_s + SMALL.reward_s)
   assert p.gen_tokens_per_s < al.plan(cfg, cluster({"H800": 4, "H20": 4})).gen_tokens_per_s
+
+
+def test_lora_plans_a_model_that_no_full_fine_tuning_layout_fits():
+  """Qwen2-14B on two H100: full fine-tuning needs ~118 GB per chip even over both, so nothing
+  fits; with rank-16 adapters one H100 holds the frozen base (30 GB) and trains, the other serves."""
+  cfg, c = load_model("qwen2_14b")[1], cluster({"H100": 2})
+  with pytest.raises(PlanError, match=r"fits no device for training.*--lora-rank=16"):
+    al.plan(cfg, c, name="qwen2_14b")
+  lora_cfg = with_lora(cfg, 16)
+  p = al.plan(lora_cfg, c, name="qwen2_14b")
+  t = p.train
+  assert (t.device_type, t.layout.devices, groups(p)) == ("H100", 1, [("H100", 1, 1)])
+  targets = [f"self_attn.{n}_proj" for n in "qkvo"] + ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+  assert t.lora == {"rank": 16, "targets": targets, "serving": "unmerged"}
+  full, lora = cm.ModelCost.from_config(cfg), cm.ModelCost.from_config(lora_cfg)
+  assert t.memory_bytes * (1 + cm.TRAIN_MEMORY_MARGIN) <= cm.MEMORY_HEADROOM * CAT["H100"].hbm_bytes
+  # below full fine-tuning on the same step by the base's gradients and moments and its optimizer temporaries
+  full_bytes = cm.train_memory(full, t.layout, t.seq_len, t.rows)
+  adapters = (16 + cm.OPT_TEMP_BYTES) * lora.adapter_params  # fp32 params, grads, 2 moments; temporaries
+  assert full_bytes - t.memory_bytes == pytest.approx((3 * 2 + cm.OPT_TEMP_BYTES) * full.params - adapters, rel=1e-12)
+  # the push moves the adapters alone
+  same = al.Problem(cfg, c).train_choice("H100", 1, [t.layout])
+  assert same.send_s / t.send_s == pytest.approx(full.weight_bytes / lora.adapter_bytes, rel=1e-12)
+  assert same.send_s / t.send_s == pytest.approx(2 * full.params / (4 * lora.adapter_params), rel=1e-12)
+
+
+def test_lora_plan_file_carries_the_adapters_and_is_predicted_back():
+  cfg, c = load_model("qwen2_14b")[1], cluster({"H100": 2})
+  p = al.plan(with_lora(cfg, 16), c, name="qwen2_14b")
+  mesh = plan_to_mesh(p, "qwen2_14b", c)
+  assert mesh["plan"]["train"]["lora"] == p.train.lora
+  assert mesh["plan"]["train"]["memory_gb_per_chip"] == round(p.train.memory_bytes / 1e9, 2)
+  again = al.predict_written(cfg, c, mesh, "qwen2_14b")  # the model file's rank 0: the plan's LoRA wins
+  assert again.train.lora == p.train.lora and again.step_s == pytest.approx(p.step_s, rel=1e-12)
+  merged = al.plan(with_lora(cfg, 16), c, name="qwen2_14b", lora_serving="merged")  # 26 GB more per replica chip
+  slots = lambda plan: plan.groups[0].option.replica.slots
+  assert merged.train.lora["serving"] == "merged" and slots(merged) < slots(p)
+  again = al.predict_written(cfg, c, plan_to_mesh(merged, "qwen2_14b", c), "qwen2_14b")
+  assert slots(again) == slots(merged)
+  c8 = cluster({"H100": 8})
+  assert "lora" not in plan_to_mesh(al.plan(cfg, c8), "qwen2_14b", c8)["plan"]["train"]  # full fine-tuning
+  mesh["plan"]["train"]["lora"] = {"rank": 16, "targets": ["qkv"]}
+  with pytest.raises(PlanError, match=r"plan.train.lora: model.lora.targets: \['qkv'\] match\(es\) no layer"):
+    al.predict_written(cfg, c, mesh, "qwen2_14b")

@@ -128,3 +128,35 @@ def test_a_70b_plan_splits_the_sequence_and_the_runtime_reads_it(tmp_path, capsy
   assert plan["pools"]["train"]["rules"] == {"length": "tensor"}
   assert plan["pools"]["train"]["mesh"]["tensor"] > 1
   assert meshes.load_mesh_file(str(out)).pools["train"].rules["length"] == ("tensor",)
+
+
+def test_plan_lora_rank_flag_writes_the_adapters_into_the_plan(tmp_path, capsys, monkeypatch):
+  """Qwen2-14B on two H100 fits only with adapters: --lora-rank plans them, the file (named for
+  them) carries plan.train.lora and the command that wrote it; a bad rank is one line."""
+  monkeypatch.chdir(tmp_path)
+  cluster = tmp_path / "cluster-two.yaml"
+  cluster.write_text("cluster:\n  - {type: H100, count: 2}\n"
+                     "workload: {batch_size: 8, group_size: 4, prompt_len: 512, output_len: {mean: 2048, max: 8192}}\n")
+  assert plan_main(["--cluster", str(cluster), "--model", "qwen2_14b"]) == 2
+  assert "--lora-rank=16" in capsys.readouterr().err
+  assert plan_main(["--cluster", str(cluster), "--model", "qwen2_14b", "--lora-rank", "16"]) == 0
+  text = capsys.readouterr().out
+  assert "Plan for qwen2_14b, LoRA rank 16 on 7 projections (unmerged)" in text and "adapter push" in text
+  out = tmp_path / "plan-two-qwen2_14b-lora16.yaml"
+  header, body = out.read_text().split("\n", 1)
+  assert header.endswith("--lora-rank 16 --out plan-two-qwen2_14b-lora16.yaml`.")
+  train = yaml.safe_load(body)["plan"]["train"]
+  assert train["lora"]["rank"] == 16 and len(train["lora"]["targets"]) == 7 and train["lora"]["serving"] == "unmerged"
+  assert train["memory_gb_per_chip"] <= train["usable_gb_per_chip"]
+  assert plan_main([
+      "--cluster",
+      str(cluster), "--model", "qwen2_14b", "--lora-rank", "16", "--lora-serving", "merged", "--out", "merged.yaml"
+  ]) == 0
+  capsys.readouterr()
+  header, body = (tmp_path / "merged.yaml").read_text().split("\n", 1)
+  assert "--lora-rank 16 --lora-serving merged --out merged.yaml" in header
+  assert yaml.safe_load(body)["plan"]["train"]["lora"]["serving"] == "merged"
+  for rank, match in (("-1", "model.lora.rank=-1 must be >= 0"), ("2000", "larger than self_attn.k_proj's")):
+    assert plan_main(["--cluster", str(cluster), "--model", "qwen2_14b", "--lora-rank", rank]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxrl-hex: error: --lora-rank: ") and match in err and err.count("\n") == 1

@@ -1,12 +1,15 @@
 """Cost model: real Qwen2 shapes, rooflines, memory feasibility and sync paths."""
 import dataclasses
 
+import jax
 import pytest
 
+from jaxrl_hex.meshes import DEFAULT_RULES
 from jaxrl_hex.models.config import param_count
+from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.planner import cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
-from jaxrl_hex.planner.model_files import load_model
+from jaxrl_hex.planner.model_files import load_model, with_lora
 
 CAT = load_catalog()
 W = cm.Workload()
@@ -96,3 +99,79 @@ def test_sequence_parallelism_where_a_mesh_does_not_fit_without_it():
       assert x.sequence_parallel == (x.tensor > 1 and not any(cm.train_fits(m, CAT[dev], p, 17408) for p in plain))
       assert x.remat == "full" or not x.sequence_parallel
   assert not list(cm.train_layouts(m70, CAT["H100"], 8, 17408))  # 70B + Adam state alone: 70 GB per H100
+
+
+def _lora(name, rank=16, **lora):
+  cfg = with_lora(load_model(name)[1], rank, lora.get("targets"))
+  return cfg, cm.ModelCost.from_config(cfg)
+
+
+def test_lora_adapters_are_counted_as_the_model_holds_them():
+  # Qwen2-7B, rank 16 on all 7 projections: r x (in + out) per projection and layer
+  _, m = _lora("qwen2_7b")
+  per_layer = 2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944)
+  assert m.adapter_params == 28 * 16 * per_layer == 40_370_176 and m.trained_bytes == 4 * m.adapter_params
+  assert m.targeted_bytes == 28 * 2 * (2 * 3584 * 3584 + 2 * 3584 * 512 + 3 * 3584 * 18944)
+  # the adapters of the real model (models/lora.py), and which side of each the rules split over fsdp
+  cfg, m = _lora("qwen2_1_5b", 8, targets=("q_proj", "down_proj"))
+  policy = Policy.build(cfg)
+  adapters, _ = policy.split(policy.shapes())
+  axes, _ = policy.split(policy.logical_axes())
+  sizes = [(x.size, ax) for x, ax in zip(jax.tree.leaves(adapters), jax.tree.leaves(axes, is_leaf=_is_axes))]
+  assert sum(n for n, _ in sizes) == m.adapter_params
+  assert sum(n for n, ax in sizes if any("fsdp" in DEFAULT_RULES[a] for a in ax)) == m.adapter_embed_params
+  assert m.lora_targets == ("self_attn.q_proj", "mlp.down_proj")
+  assert not cm.ModelCost.from_config(policy.base().cfg).lora
+
+
+def _is_axes(x):
+  return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+
+
+def test_lora_train_memory_is_the_frozen_base_and_fp32_adapters():
+  full, lora = cm.ModelCost.from_config(load_model("qwen2_14b")[1]), _lora("qwen2_14b")[1]
+  for layout in (cm.TrainLayout(1, 8, 1, "full"), cm.TrainLayout(2, 2, 4, "dots"), cm.TrainLayout(1, 1, 1, "none")):
+    shards, t = layout.fsdp * layout.tensor, layout.tensor
+    adapters = lora.adapter_embed_params / layout.fsdp + lora.adapter_wide_params / t
+    # the base without gradients, Adam's moments and optimizer temporaries; the adapters with all of them in fp32
+    saved = 3 * full.weight_bytes / shards + cm.OPT_TEMP_BYTES * full.params / shards
+    added = (4 * 4 + cm.OPT_TEMP_BYTES) * adapters
+    if layout.remat == "dots":  # and each adapter's [tokens, out] product, kept beside the base's
+      outputs = 2 * 5120 + (5120 + 2 * 1024 + 2 * 13824) / t  # o, down whole; q, k, v, gate, up split
+      added += cm.LORA_DOTS_SAVED_BYTES * outputs * 48 * 2 * 17408
+    got = cm.train_memory(full, layout, 17408, 2) - cm.train_memory(lora, layout, 17408, 2)
+    assert got == pytest.approx(saved - added, rel=1e-12)
+  # 14B on one H100: full fine-tuning needs 4 x 29.5 GB of state, LoRA 29.5 GB of base
+  assert not list(cm.train_layouts(full, CAT["H100"], 1, 8704)) and list(cm.train_layouts(lora, CAT["H100"], 1, 8704))
+
+
+def test_lora_syncs_and_gradients_are_the_adapters_alone():
+  full, lora = cm.ModelCost.from_config(load_model("qwen2_7b")[1]), _lora("qwen2_7b")[1]
+  bw = cm.sync_bw(CAT["H100"], CAT["H20"], False)
+  ratio = cm.sync_send_time(full, 8, bw) / cm.sync_send_time(lora, 8, bw)
+  assert ratio == pytest.approx(full.weight_bytes / lora.adapter_bytes, rel=1e-12) and ratio > 90
+  # a replica chip receives the adapters' heads / MLP side split over tensor and their d_model side whole
+  recv = cm.sync_recv_time(lora, 4, bw) * bw
+  assert recv == pytest.approx(4 * (lora.adapter_embed_params + lora.adapter_wide_params / 4))
+  # the step: 4N instead of 6N for forward and backward of the frozen matmuls, adapters at 8 per parameter
+  layout, tokens = cm.TrainLayout(1, 8, 1, "none"), 1e6
+  flops = lambda m: cm.train_time(m, CAT["H100"], layout, tokens, 4096).roofline_s * 8 * CAT["H100"].flops
+  attention = 4 * full.attn_flops(tokens, 2048)
+  assert flops(full) == pytest.approx(8 * full.params * tokens + attention, rel=1e-9)
+  assert flops(lora) == pytest.approx((6 * full.params + 8 * lora.adapter_params) * tokens + attention, rel=1e-9)
+  # FSDP still gathers the base twice; only the adapters' gradients are reduced
+  comm = lambda m: cm.train_time(m, CAT["H100"], cm.TrainLayout(1, 8, 1), tokens, 4096).comm_s
+  assert comm(full) / comm(lora) == pytest.approx(1.5, rel=0.02)
+
+
+def test_lora_replica_holds_the_base_and_the_adapters_or_a_merged_copy():
+  full, lora = cm.ModelCost.from_config(load_model("qwen2_7b")[1]), _lora("qwen2_7b")[1]
+  merged = cm.ModelCost.from_config(with_lora(load_model("qwen2_7b")[1], 16), "merged")
+  assert merged.merged_serving and not cm.ModelCost.from_config(load_model("qwen2_7b")[1], "merged").merged_serving
+  h20 = CAT["H20"]
+  assert cm.kv_capacity(full, h20, 2) - cm.kv_capacity(lora, h20, 2) == pytest.approx(4 * lora.adapter_shard(1, 2))
+  assert cm.kv_capacity(full, h20, 2) - cm.kv_capacity(merged, h20, 2) == pytest.approx(lora.targeted_bytes / 2)
+  slots = [cm.replica(m, h20, 1, W).slots for m in (full, lora, merged)]
+  assert slots[0] >= slots[1] > slots[2]  # a merged copy of 13 GB of projections costs KV room
+  # merged, a decode step reads what full fine-tuning's does; unmerged the adapters too
+  assert cm.weight_read_bytes(merged, 2) == cm.weight_read_bytes(full, 2) < cm.weight_read_bytes(lora, 2)

@@ -1,11 +1,15 @@
 """Simulator: agrees with the planner, respects the staleness gate, draws a timeline."""
 import dataclasses
 
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.transforms import Bbox
+
 from jaxrl_hex.planner import allocate as al, cost_model as cm
 from jaxrl_hex.planner.catalog import load_catalog
 from jaxrl_hex.planner.command import plan_to_mesh
 from jaxrl_hex.planner.model_files import load_model
-from jaxrl_hex.planner.simulate import SimSpec, draw_timeline, simulate
+from jaxrl_hex.planner.simulate import SimSpec, draw_timeline, simulate, timeline_figure
 
 W = cm.Workload(batch_size=16, group_size=8, prompt_len=512, output_mean=1024, output_max=4096, output_dist="fixed",
                 eta=2, reward_s=0.5)
@@ -55,3 +59,35 @@ def test_lognormal_lengths_and_timeline_png(tmp_path):
   out = tmp_path / "timeline.png"
   draw_timeline(r, spec, out, title="test")
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_timeline_legend_clears_the_trainer_row_and_staleness_labels_do_not_overlap():
+  """Long-tailed lengths and a loose gate: 17 staleness values for a narrow histogram; every bar to scale."""
+  _, spec = spec_for({"H800": 4, "H20": 4}, dataclasses.replace(W, output_dist="lognormal", output_sigma=1.0, eta=8))
+  r = simulate(spec, steps=16, seed=1)
+  assert len(r.staleness) >= 15
+  fig = timeline_figure(r, spec, title="test")
+  try:
+    renderer = fig.canvas.get_renderer()
+    timeline, hist = fig.axes
+    rows = len(spec.replicas)
+    trainer = Bbox(timeline.transData.transform([(0, rows + 0.6), (r.duration_s, rows + 1.4)]))
+    legend = timeline.get_legend().get_window_extent(renderer)
+    assert not legend.overlaps(trainer) and not legend.overlaps(timeline.get_window_extent(renderer))
+    assert fig.bbox.contains(legend.x0, legend.y0) and fig.bbox.contains(legend.x1, legend.y1)
+    lo, hi = hist.get_xlim()
+    labels = sorted((t.get_window_extent(renderer)
+                     for t in hist.get_xticklabels() if t.get_text() and lo <= t.get_position()[0] <= hi),
+                    key=lambda b: b.x0)
+    assert len(labels) >= 3 and all(a.x1 < b.x0 for a, b in zip(labels, labels[1:]))
+
+    # bars to scale: the trainer's row adds up to the training time, each replica's syncs to its pauses
+    def widths(collection):
+      return [np.ptp(path.vertices[:, 0]) for path in collection.get_paths()]
+
+    trained, busy0, sync0 = timeline.collections[:3]
+    np.testing.assert_allclose(sum(widths(trained)), sum(b - a for a, b in r.train_segments))
+    np.testing.assert_allclose(widths(sync0), [b - a for a, b in r.replica_sync[0]])
+    assert all(c.get_linewidth()[0] == 0 for c in (trained, busy0, sync0))  # an edge would widen each bar
+  finally:
+    plt.close(fig)

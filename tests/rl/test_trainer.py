@@ -8,6 +8,7 @@ import pytest
 from support import load_config
 
 from jaxrl_hex import meshes
+from jaxrl_hex.models import lora
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl.advantages import ADVANTAGES, AdvantageInputs
@@ -189,3 +190,65 @@ def test_ppo_critic_learns_and_its_state_round_trips(setup, pools):
   other.load_state(state, 3)
   np.testing.assert_array_equal(other.critic_params["lm_head"], head)
   assert other.version == 3
+
+
+@pytest.fixture(scope="module")
+def lora_setup(setup):
+  """The tiny model with rank-4 adapters on its warm (here: random) weights."""
+  cfg = load_config(**{"model.lora.rank": 4, "model.lora.alpha": 8.0})
+  policy = Policy.build(model_config(**cfg.model))
+  adapters = policy.init_adapters(0)
+  return policy, lora.merge(adapters, setup[1])
+
+
+def _lora_trainer(lora_setup, pools, **overrides):
+  policy, params = lora_setup
+  cfg = load_config(**{"optim.warmup_steps": 0, **overrides})
+  return Trainer(policy, pools["train"], make_optimizer(cfg.optim, 10), make_rl_loss(cfg.algo, 1.0), params,
+                 base_reference=cfg.algo.kl_coef > 0)
+
+
+def test_lora_trains_only_the_adapters_with_the_base_as_the_kl_reference(lora_setup, pools):
+  policy, params = lora_setup
+  trainer = _lora_trainer(lora_setup, pools, **{"algo.kl_coef": 0.05})
+  base = jax.tree.map(np.asarray, trainer.frozen)
+  adapters = jax.tree.map(np.asarray, trainer.params)
+  # the optimizer holds adapter moments only, and the published weights are the adapters
+  assert jax.tree.structure(trainer.opt_state[1][0].mu) == jax.tree.structure(adapters)
+  assert trainer.weights()[1] is trainer.params and "embed" not in trainer.params
+  assert set(trainer.state()) == {"params", "opt_state"}  # no reference copy: it is the base
+  first = trainer.step(_batch())
+  assert first["kl"] == 0.0  # the adapters start as the identity: policy = reference, bit for bit
+  second = trainer.step(_batch(1))
+  assert second["kl"] > 0
+  jax.tree.map(np.testing.assert_array_equal, trainer.frozen, base)  # the base never moves
+  bs = [(np.asarray(a["b"]), b["b"]) for a, b in zip(jax.tree.leaves(trainer.params, is_leaf=lambda x: "b" in x),
+                                                     jax.tree.leaves(adapters, is_leaf=lambda x: "b" in x))]
+  assert all(np.abs(new - old).max() > 0 for new, old in bs)
+
+
+def test_lora_gradients_equal_the_whole_models_gradients_on_the_adapters(lora_setup, pools):
+  """Differentiating the adapters with the base closed over is the whole model's gradient, restricted."""
+  policy, _ = lora_setup
+  trainer = _lora_trainer(lora_setup, pools)
+  loss, grads = trainer.gradients(_batch())
+  whole = _lora_trainer(lora_setup, pools)  # the same model with every leaf trained: no frozen part
+  whole.params, whole.frozen = whole.whole(), {}
+  whole_loss, whole_grads = whole.gradients(_batch())
+  assert abs(float(whole_loss) - float(loss)) <= 1e-6 * max(1.0, abs(float(loss)))
+  assert _rel(grads, policy.split(whole_grads)[0]) <= 1e-5
+  # the base has gradients the trainer never takes
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(policy.split(whole_grads)[1])) > 0
+
+
+def test_lora_dropout_changes_the_update_but_not_the_start_pass(lora_setup, pools):
+  cfg = load_config(**{"model.lora.rank": 4, "model.lora.alpha": 8.0, "model.lora.dropout": 0.3})
+  policy, params = lora_setup
+  # B nonzero (a fresh adapter adds zero, dropped or not)
+  params = jax.tree_util.tree_map_with_path(lambda p, x: x + 0.05 if p[-1].key == "b" else x, params)
+  dropped = Trainer(Policy.build(model_config(**cfg.model)), pools["train"], make_optimizer(cfg.optim, 10),
+                    make_rl_loss(cfg.algo, 1.0), params)
+  plain = _lora_trainer((policy, params), pools)
+  batch = _batch()
+  assert float(dropped.gradients(batch)[0]) != float(plain.gradients(batch)[0])
+  np.testing.assert_array_equal(dropped.score(batch), plain.score(batch))  # scoring never drops
