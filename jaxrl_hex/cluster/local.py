@@ -122,8 +122,8 @@ class LocalRolloutSide:
     """base_sync: with LoRA, where the frozen base arrives from (once); the adapters come by `sync`."""
     r = rt.cfg.rollout
     self.rt, self.sync, self.base_sync = rt, sync, base_sync
-    self.adapters = AdapterWeights(rt.policy, rt.shardings("rollout"), r.lora_serving) if rt.policy.lora else None
-    policy = self.adapters.engine_policy if self.adapters else rt.policy
+    self.lora_weights = AdapterWeights(rt.policy, rt.shardings("rollout"), r.lora_serving) if rt.policy.lora else None
+    policy = self.lora_weights.engine_policy if self.lora_weights else rt.policy
     self._offered = None  # newest published weights, picked up by the engine mid-batch
     pool = rt.pool("rollout")
     options = engine_options(r)
@@ -173,16 +173,16 @@ class LocalRolloutSide:
   def _receive(self, handle):
     """(version, the engine's params) of `handle` in this runtime's layout, checked against its
     fingerprint; with LoRA the base first where this runtime lacks it, then the adapters on it."""
-    if self.adapters is not None and self.adapters.needs_base(handle):
-      self.adapters.set_base(handle.base, self.base_sync.receive(handle.base)[1])
+    if self.lora_weights is not None and self.lora_weights.needs_base(handle):
+      self.lora_weights.set_base(handle.base, self.base_sync.receive(handle.base)[1])
     version, params = self.sync.receive(handle)
     if handle.fingerprint is not None:
       check(handle.fingerprint, params, version)
-    return version, (params if self.adapters is None else self.adapters.assemble(version, params))
+    return version, (params if self.lora_weights is None else self.lora_weights.assemble(version, params))
 
   def received(self, engine):
     """The weights `engine` runs as the trainer published them (with LoRA its adapters)."""
-    return engine.params if self.adapters is None else self.adapters.adapters[1]
+    return engine.params if self.lora_weights is None else self.lora_weights.adapters[1]
 
   def generate(self, records, group_size, seed, batch_index, handle):
     """-> (Rollout, receive span or None, {} (one runtime: no per-replica figures)). Weights are at

@@ -57,15 +57,13 @@ class Trainer:
     """params: the whole model's (base and adapters). ref_params: a frozen reference for the KL;
     base_reference: with LoRA, the reference is the base (no copy; ref_params must be None)."""
     self.pool, self.tx, self.objective = pool, optimizer, objective
-    shardings, shapes = policy.split(pool.shardings_for(policy.logical_axes(),
-                                                        policy.shapes())), policy.split(policy.shapes())
-    self.param_shardings, frozen_shardings = shardings
+    self.param_shardings, frozen_shardings = policy.split(pool.shardings_for(policy.logical_axes(), policy.shapes()))
     params, frozen = policy.split(params)
     self.params = jax.device_put(params, self.param_shardings)
     self.frozen = jax.device_put(frozen, frozen_shardings)
     self.ref_params = None if ref_params is None else jax.device_put(ref_params, self.param_shardings)
     self._base_reference = base_reference and policy.lora
-    opt_shardings = optimizer_shardings(pool, self.tx, self.param_shardings, shapes[0])
+    opt_shardings = optimizer_shardings(pool, self.tx, self.param_shardings, policy.split(policy.shapes())[0])
     self.opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(self.params)
     self.critic = self.critic_params = self.critic_opt_state = self.critic_tx = None
     critic_shardings = critic_opt_shardings = None
