@@ -59,7 +59,10 @@ def base_config() -> ml_collections.ConfigDict:
           kv_blocks=0,
           # with LoRA (model.lora.rank > 0): unmerged = the engine applies the adapters beside the base,
           # merged = each version is folded into a copy of the targeted weights (sync/adapters.py)
-          lora_serving="unmerged"))
+          lora_serving="unmerged",
+          # an environment's episodes (jaxrl_hex/tasks/environment.py): max_new_tokens is an episode's whole
+          # budget after its first prompt (turns and observations); turn_tokens caps one turn (0 = no cap)
+          turn_tokens=0))
 
   # The RL algorithm (jaxrl_hex/rl): pieces by registered name, presets in configs/{grpo,dapo,ppo,...}.py
   c.algo = ml_collections.ConfigDict(
@@ -159,6 +162,7 @@ FIELD_CHECKS = {
     "rollout.group_size": (lambda v: v >= 1, ">= 1", "samples per prompt"),
     "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1", "the longest completion in tokens"),
     "rollout.max_prompt_len": (lambda v: v >= 1, ">= 1", "the longest prompt in tokens, BOS included"),
+    "rollout.turn_tokens": (lambda v: v >= 0, ">= 0", "an episode turn's most tokens; 0 = no cap"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]", "nucleus sampling's probability mass; 1.0 = off"),
     "rollout.top_k": (lambda v: v >= 0, ">= 0", "sample among the k likeliest tokens; 0 = off"),
     "rollout.lora_serving": (lambda v: v in ("unmerged", "merged"), "unmerged or merged", "how the engine applies "

@@ -25,11 +25,10 @@ from jaxrl_hex.commands import DEFAULT_CONFIG, config_overrides
 from jaxrl_hex.config import apply_overrides, load_config_file, read_run_config, resolve_path
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.evaluation import greedy_completions, rewards, sampled_completions
-from jaxrl_hex.generate import check_prompts, checkpoint_engine, saved_step
-from jaxrl_hex.meshes import prepare_cpu_devices
+from jaxrl_hex.generate import check_prompts, checkpoint_engine, prepare_devices, saved_step
 from jaxrl_hex.models.hf import load_params
 from jaxrl_hex.rollout.engine import Engine, Request, engine_options
-from jaxrl_hex.runtime import build_runtime, load_mesh
+from jaxrl_hex.runtime import build_runtime
 from jaxrl_hex.tasks.scoring import RewardScorer
 
 RECORD = '{"prompt": ..., "answer": ...}'
@@ -106,6 +105,7 @@ def _config(args, overrides):
   """-> (config, checkpointer, step, meta); the checkpoint's meta is read, none of its arrays."""
   if args.workdir:
     cfg = read_run_config(args.workdir)
+    prepare_devices(cfg)
     checkpointer = Checkpointer(saved_step(args.workdir, args.step))
     step = checkpointer.resolve(args.step)
     meta = checkpointer.meta(step)
@@ -124,9 +124,7 @@ def run_eval(args, unparsed) -> dict:
   cfg, checkpointer, step, meta = _config(args, config_overrides(unparsed))
   lines = _read_records(args.prompts) if args.prompts else None
   out = args.out or os.path.join(args.workdir, f"eval-{step}.json")
-  mesh_file = load_mesh(cfg)
-  if mesh_file.platform == "cpu" and mesh_file.num_devices:
-    prepare_cpu_devices(mesh_file.num_devices)
+  prepare_devices(cfg)
   rt = build_runtime(cfg, check_prompts=lines is None)  # --prompts are measured below, naming their lines
   r, k = cfg.rollout, args.samples
   options = engine_options(r)

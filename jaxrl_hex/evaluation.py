@@ -1,7 +1,11 @@
-"""Held-out accuracy: mean reward of greedy completions, generated on whichever pool holds the weights;
-and for `jaxrl-hex eval` the rewards of k sampled completions per prompt (pass@k, mean@k)."""
+"""Held-out accuracy: mean reward of greedy completions (or of an environment's greedy episodes),
+generated on whichever pool holds the weights; and for `jaxrl-hex eval` the rewards of k sampled
+completions per prompt (pass@k, mean@k)."""
 import jax
 import numpy as np
+
+from jaxrl_hex.rollout.streams import make_stream
+from jaxrl_hex.tasks import is_episodic
 
 
 def _padded(engine, chunk):
@@ -29,6 +33,19 @@ def sampled_completions(engine, records, k: int, rng, batch_size: int) -> list[l
   return out
 
 
+def greedy_episodes(engine, task, records, turn_tokens: int = 0, group_size: int = 1, rng=None) -> tuple:
+  """An episodic task's episodes from the records, greedy (or sampled with `rng`) -> ([N] float32
+  rewards, the Episodes in row order: transcripts, faults)."""
+  stream = make_stream(engine, task, turn_tokens)
+  engine.greedy = rng is None
+  try:
+    rollout, episodes = stream.run(list(records), group_size, jax.random.key(0) if rng is None else rng)
+  finally:
+    engine.greedy = False
+    stream.close()
+  return rollout.rewards, episodes
+
+
 def rewards(scorer, records, completions) -> np.ndarray:
   """The task's reward of each record's completion -> [N] float32."""
   return scorer([r["prompt"] for r in records], completions, [r["answer"] for r in records])
@@ -38,6 +55,9 @@ def score(scorer, records, completions) -> float:
   return float(rewards(scorer, records, completions).mean())
 
 
-def evaluate(engine, scorer, records, version, params, batch_size: int) -> float:
+def evaluate(engine, scorer, records, version, params, batch_size: int, task=None) -> float:
+  """Greedy accuracy with these weights; an episodic `task` scores its own episodes (scorer unused)."""
   engine.load_weights(version, params)
+  if is_episodic(task):
+    return float(greedy_episodes(engine, task, records)[0].mean())
   return score(scorer, records, greedy_completions(engine, records, batch_size))

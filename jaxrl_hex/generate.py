@@ -6,6 +6,14 @@ Each prompt line is {"prompt": str} with optional "id", "n" (samples), "max_toke
 (strings). Each result line is one sample: id, sample index, completion text, finish_reason
 (eos | stop | length), truncated, tokens, logprobs and the policy version. The throughput
 summary (one JSON object) goes to stdout.
+
+A run of an environment (tasks/environment.py) plays episodes instead:
+
+  jaxrl-hex generate --workdir=runs/guess --episodes=eval --out=transcripts.jsonl --greedy
+
+--episodes names the task's split (eval | train) or a JSONL file of records for Env.reset; each
+result line is one episode: the record, sample index, reward, turns, tool calls and errors, its
+fault if it ended on one, and its transcript ([{"role": "env" | "model" | "tool", "text"}]).
 """
 import json
 import os
@@ -19,12 +27,13 @@ from jaxrl_hex.base_weights import restore_run
 from jaxrl_hex.checkpoint import BEST_FILE, Checkpointer, step_arg
 from jaxrl_hex.config import FIELD_CHECKS, check_field, read_run_config
 from jaxrl_hex.errors import UserError
+from jaxrl_hex.evaluation import greedy_episodes
 from jaxrl_hex.meshes import prepare_cpu_devices
 from jaxrl_hex.metrics import Progress
 from jaxrl_hex.rollout.engine import Engine, Request, engine_options
 from jaxrl_hex.runtime import build_runtime, load_mesh
 from jaxrl_hex.sync.adapters import AdapterWeights
-from jaxrl_hex.tasks import prompt_length
+from jaxrl_hex.tasks import is_episodic, prompt_length
 
 FLAGS = {  # flag -> config.rollout field
     "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
@@ -35,7 +44,10 @@ FLAGS = {  # flag -> config.rollout field
 def _parser():
   ap = arguments.Parser("jaxrl-hex generate", __doc__.splitlines()[0])
   ap.add_argument("--workdir", required=True, help="a train or sft run (its config.json and checkpoints/)")
-  ap.add_argument("--prompts", required=True, help="JSONL file, one {\"prompt\": ...} per line")
+  ap.add_argument("--prompts", help="JSONL file, one {\"prompt\": ...} per line")
+  ap.add_argument(
+      "--episodes", help="a run of an environment: play episodes of its split (eval | train) or of a "
+      "JSONL file of records, and write their transcripts")
   ap.add_argument("--out", required=True, help="JSONL file to write, one line per sample")
   ap.add_argument("--samples", type=int, default=1, help="samples per prompt unless a line sets \"n\"")
   ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -46,6 +58,14 @@ def _parser():
   for name, kind in FLAGS.items():
     ap.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"overrides rollout.{name}")
   return ap
+
+
+def prepare_devices(cfg):
+  """The simulated CPU devices the run's mesh file asks for, before anything starts JAX (reading a
+  run's checkpoints does: Orbax asks for the default backend)."""
+  mesh_file = load_mesh(cfg)
+  if mesh_file.platform == "cpu" and mesh_file.num_devices:
+    prepare_cpu_devices(mesh_file.num_devices)
 
 
 def saved_step(workdir: str, step, field: str = "--workdir") -> str:
@@ -91,6 +111,9 @@ def checkpoint_engine(rt, ckpt_dir: str, step, options: dict) -> tuple:
 
 def _check_args(args):
   """The flags on their own, before anything is read or built."""
+  if (args.prompts is None) == (args.episodes is None):
+    raise UserError("generate: pass --prompts=FILE.jsonl (completions) or --episodes=eval|train|FILE.jsonl (a run of "
+                    "an environment: episodes), one of the two")
   if args.samples < 1:
     raise UserError(f"--samples={args.samples} must be >= 1 (samples per prompt unless a line sets \"n\")")
   for name in FLAGS:
@@ -147,19 +170,19 @@ def check_prompts(requests, path, rt, slots: int):
 def generate(args) -> dict:
   _check_args(args)
   cfg = read_run_config(args.workdir)
+  prepare_devices(cfg)
   ckpt_dir = saved_step(args.workdir, args.step)
   for name in FLAGS:
     if getattr(args, name) is not None:
       cfg.rollout[name] = getattr(args, name)
   cfg.rollout.stop = list(cfg.rollout.stop) + args.stop
-  lines = _read_prompts(args.prompts, args.samples)
+  lines = _read_prompts(args.prompts, args.samples) if args.prompts else []
   requests = [request for _, request in lines]
-  mesh_file = load_mesh(cfg)
-  if mesh_file.platform == "cpu" and mesh_file.num_devices:
-    prepare_cpu_devices(mesh_file.num_devices)
   rt = build_runtime(cfg, check_prompts=False)  # the task's prompts are not this command's
   r = cfg.rollout
   options = engine_options(r)
+  if args.episodes is not None:
+    return _episodes(args, rt, ckpt_dir, options)
   check_prompts(lines, args.prompts, rt, options["slots"])
   engine, _ = checkpoint_engine(rt, ckpt_dir, args.step, options)
   engine.rng = jax.random.key(args.seed)
@@ -206,6 +229,46 @@ def generate(args) -> dict:
       "slots": engine.num_slots,
       "policy_version": engine.version,
       **engine.memory, "out": args.out
+  }
+
+
+def _episode_records(args, task) -> list:
+  if args.episodes in ("eval", "train"):
+    return list(getattr(task, args.episodes))
+  return [row for _, row in arguments.jsonl_rows(args.episodes, "--episodes", "{...a record for Env.reset...}")]
+
+
+def _episodes(args, rt, ckpt_dir, options) -> dict:
+  """Episodes of the run's environment -> one transcript line each in --out; the summary."""
+  if not is_episodic(rt.task):
+    raise UserError(f"--episodes: the run's task {rt.cfg.task!r} is not an environment or agent (it returns a Task, "
+                    "not an EnvTask or AgentTask); pass --prompts=FILE.jsonl for completions")
+  records = _episode_records(args, rt.task)
+  engine, _ = checkpoint_engine(rt, ckpt_dir, args.step, options)
+  t0 = time.perf_counter()
+  rng = None if args.greedy else jax.random.key(args.seed)
+  rewards, episodes = greedy_episodes(engine, rt.task, records, rt.cfg.rollout.turn_tokens, args.samples, rng)
+  with open(args.out, "w") as out:
+    for ep in episodes:
+      out.write(
+          json.dumps({
+              "record": records[ep.row // args.samples],
+              "sample": ep.row % args.samples,
+              "reward": ep.reward,
+              "turns": ep.turns,
+              "tool_calls": ep.tool_calls,
+              "tool_errors": ep.tool_errors,
+              "fault": ep.fault,
+              "truncated": ep.truncated,
+              "transcript": ep.transcript,
+          }) + "\n")
+  return {
+      "episodes": len(episodes),
+      "reward_mean": round(float(rewards.mean()), 4),
+      "faults": sum(ep.fault is not None for ep in episodes),
+      "seconds": round(time.perf_counter() - t0, 3),
+      "policy_version": engine.version,
+      "out": args.out
   }
 
 

@@ -173,11 +173,12 @@ def read_jsonl(path):
 # Headline figures in display order: (row key, label, format); absent keys are left out.
 HEADLINE = (("reward_mean", "reward", "{:.3f}"), ("eval_accuracy", "eval acc", "{:.3f}"), ("loss", "loss", "{:.4f}"),
             ("token_accuracy", "token acc", "{:.3f}"), ("staleness_mean", "staleness", "{:.2f}"),
-            ("rollout_tokens_per_s", "rollout tok/s", "{}"), ("train_tokens_per_s", "train tok/s",
-                                                              "{}"), ("sync_seconds", "sync", "{}"))
+            ("episode_turns", "turns", "{:.2f}"), ("rollout_tokens_per_s", "rollout tok/s", "{}"),
+            ("train_tokens_per_s", "train tok/s", "{}"), ("sync_seconds", "sync", "{}"))
 # Faults shown as soon as they happen, beside the headline: (row key, label) of counts the rows carry
 # cumulatively; updates skipped for a non-finite loss or gradient are summed from each row's count.
-FAULTS = (("reward_errors", "reward errors"), ("rollout_restarts", "replica restarts"))
+FAULTS = (("reward_errors", "reward errors"), ("rollout_restarts", "replica restarts"), ("tool_errors", "tool errors"),
+          ("episode_faults", "episode faults"))
 
 
 def _si(x: float) -> str:

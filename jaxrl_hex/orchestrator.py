@@ -24,7 +24,9 @@ from jaxrl_hex.metrics import Progress, thread_stacks
 from jaxrl_hex.rl.batch import rl_batch
 from jaxrl_hex.rl.buffer import Buffer, Closed, Item
 from jaxrl_hex.rl.dynamic import GroupFilter
+from jaxrl_hex.rollout.episodes import episode_stats
 from jaxrl_hex.sync.probe import check as check_probe
+from jaxrl_hex.tasks import episode_prompt, is_episodic
 from jaxrl_hex.tasks.scoring import RewardScorer
 
 
@@ -40,10 +42,13 @@ class Orchestrator:
     self.stream = PromptStream(rt.task.train, cfg.rollout.prompts_per_step, seed=cfg.seed)
     if meta.get("data_state") is not None:
       self.stream.set_state(meta["data_state"])
-    self.scorer = RewardScorer(rt.task, cfg.rollout.reward_timeout_s)
+    self.episodic = is_episodic(rt.task)  # an environment's or an agent's episodes come back scored
+    self.scorer = None if self.episodic else RewardScorer(rt.task, cfg.rollout.reward_timeout_s)
     self.best = self._resumed_best(meta.get("best"))  # train.keep_best: the best evaluation so far
     self.eval_records = list(rt.task.eval[:cfg.train.eval_size])
-    self.probe_prompt = (rt.task.eval or rt.task.train)[0]["prompt"]  # the fixed sequence of sync/probe.py
+    first = (rt.task.eval or rt.task.train)[0]
+    # the fixed sequence of sync/probe.py
+    self.probe_prompt = episode_prompt(rt.task, first) if self.episodic else first["prompt"]
     self._handle = None  # newest published weights; a rollout started after admit(k) sees >= k - eta
     self._stop = threading.Event()
     self._stream_lock = threading.Lock()  # dynamic sampling draws prompts from rollout threads too
@@ -52,6 +57,7 @@ class Orchestrator:
     self._doing = "starting"  # what the train loop waits on, for the watchdog's line
     self._stalled = False
     self._finished = threading.Event()
+    self._faults = {}  # an environment's tool errors and episode faults, counted since the run (re)started
 
   def request_stop(self, reason: str):
     """Asks the train loop to stop: the step in flight finishes (a wait for a batch ends at once),
@@ -91,6 +97,8 @@ class Orchestrator:
     t1 = time.time()
     if generated is not None:
       generated()  # the replica takes the next batch while this one is scored
+    if self.episodic:
+      return rollout, receive_span, dict(routed, **episode_stats(rollout)), t1
     completions = decode_completions(self.rt.tokenizer, rollout)
     rollout.rewards = self.scorer([r["prompt"] for r in records for _ in range(group)], completions,
                                   [r["answer"] for r in records for _ in range(group)])
@@ -200,7 +208,8 @@ class Orchestrator:
       self._stop.set()
       self.buffer.close()
       thread.join(timeout=10.0 if self._stalled else None)  # a stuck rollout thread stays behind (daemon)
-      self.scorer.close()
+      if self.scorer is not None:
+        self.scorer.close()
       self._finished.set()
     if self.stop_reason:
       if train.version > saved:  # the steps since the last checkpoint are kept too
@@ -216,7 +225,7 @@ class Orchestrator:
         "eval_accuracy_end": acc,
         "seconds": seconds,
         "dropped_stale": self.buffer.dropped,
-        "reward_errors": self.scorer.errors,
+        "reward_errors": self.reward_errors,
         "rollout_restarts": self.rollout.restarts,
         "best": self.best
     }
@@ -315,13 +324,20 @@ class Orchestrator:
     self.recorder.span("train", "sync", t1, t2, version=train.version)
     if self.cfg.sync.probe_every and train.version % self.cfg.sync.probe_every == 0:
       m = dict(m, probe_gap=self._probe())
+    for key in ("tool_errors", "episode_faults"):  # per batch in item.stats; the rows count them from the start
+      if key in item.stats:
+        self._faults[key] = self._faults.get(key, 0) + item.stats[key]
     values, counts = np.unique(staleness, return_counts=True)
     return dict(m, phase="train", step=step + 1, policy_version=train.version, batch=item.batch_index,
                 prompt_ids=sorted({int(g) for g in ro.group_ids}), staleness_mean=float(staleness.mean()),
                 staleness_max=int(staleness.max()), staleness_hist={
                     int(v): int(c) for v, c in zip(values, counts)
-                }, wait_seconds=t0 - t_wait, sync_seconds=train.sync_seconds, reward_errors=self.scorer.errors,
-                rollout_restarts=self.rollout.restarts, **item.stats)
+                }, wait_seconds=t0 - t_wait, sync_seconds=train.sync_seconds, reward_errors=self.reward_errors,
+                rollout_restarts=self.rollout.restarts, **dict(item.stats, **self._faults))
+
+  @property
+  def reward_errors(self) -> int:
+    return self.scorer.errors if self.scorer is not None else 0
 
   def _probe(self) -> float | None:
     """The weight-sync probe (sync/probe.py) of the newest weights on every rollout replica -> the
@@ -345,4 +361,5 @@ class Orchestrator:
 
   def _eval(self):
     """Greedy accuracy of the newest published weights, generated on the rollout side."""
-    return score(self.scorer, self.eval_records, self.rollout.evaluate(self.eval_records, self._handle))
+    out = self.rollout.evaluate(self.eval_records, self._handle)  # an environment's episodes come back scored
+    return float(np.mean(out)) if self.episodic else score(self.scorer, self.eval_records, out)

@@ -29,6 +29,9 @@ FIGURES = {
     "timeline.png": "What each pool was doing: rollout (generate, reward, weight sync) and train (step, publish); "
                     "the whole run to scale (left) and the last train steps, short spans widened to be seen (right).",
     "throughput.png": "Tokens per second on each pool, and weight-sync time per RL step.",
+    "episodes.png": "Episodes of an environment: model turns and tool calls per episode, the share of their "
+                    "tokens that are observations (context, not trained), and their length in tokens "
+                    "(mean, 90th percentile, longest).",
 }
 ZOOM = 10  # train steps in the timeline's close-up
 ZOOM_MIN_WIDTH = 1 / 250  # of the close-up's window: a span narrower than this is widened to it there
@@ -137,7 +140,9 @@ def _plot(ax, run, key, color, name, wall=False, style="-", scale=1.0) -> bool:
   if not len(values):
     return False
   shown = ~np.isnan(values)
-  alone = shown & (np.convolve(shown, [1, 0, 1], mode="same") == 0)  # a segment of one point: no line to see
+  # a segment of one point has no line to see; its neighbours' count (convolve's "same" mode would
+  # return the kernel's length for a 2-point series)
+  alone = shown & (np.convolve(shown, [1, 0, 1])[1:-1] == 0)
   few = shown.sum() < 30
   ax.plot(seconds if wall else steps, values * scale, style, color=color, label=name, lw=1.4,
           marker="o" if few or alone.any() else None, ms=3, markevery=None if few else list(alone))
@@ -307,6 +312,28 @@ def _throughput_figure(runs):
   return fig
 
 
+def _episodes_figure(runs):
+  """Per RL step: turns and tool calls per episode, the observations' token share, episode lengths."""
+  colors, kind = _colors(runs), _kind(runs)
+  fig, axes = _plt().subplots(1, 3, figsize=(15, 4))
+  panels = ((axes[0], (("episode_turns", "-", "turns"), ("episode_tool_calls", "--", "tool calls")),
+             "per episode (solid: turns, dashed: tool calls)"), (axes[1], (("env_token_share", "-", ""),),
+                                                                 "observation share of episode tokens"),
+            (axes[2], (("episode_tokens_mean", "-", "mean"), ("episode_tokens_p90", "--", "p90"),
+                       ("episode_tokens_max", ":", "max")), "episode tokens (solid mean, dashed p90, dotted max)"))
+  for ax, keys, ylabel in panels:
+    for run in runs:
+      drawn = [
+          _plot(ax, run, key, colors[run.label], f"{_name(run, kind)} {what}".strip(), style=style)
+          for key, style, what in keys
+      ]
+      if any(drawn):
+        _mark_resumes(ax, run, colors[run.label])
+    _finish(ax, f"{kind} step", ylabel, keys[0][0])
+  fig.suptitle("Episodes")
+  return fig
+
+
 def figures(runs) -> dict:
   """{file name: matplotlib figure} of what the runs logged, in FIGURES' order (the caller closes them)."""
   rl, sft = any(r.kind == "RL" for r in runs), any(r.kind == "SFT" for r in runs)
@@ -317,6 +344,7 @@ def figures(runs) -> dict:
       "staleness.png": (rl, lambda: _staleness_figure(runs)),
       "timeline.png": (any(r.spans for r in runs), lambda: _timeline_figure(runs)),
       "throughput.png": (True, lambda: _throughput_figure(runs)),
+      "episodes.png": (any(len(r.series("episode_turns")[2]) for r in runs), lambda: _episodes_figure(runs)),
   }
   return {name: draw[name][1]() for name in FIGURES if draw[name][0]}
 
@@ -364,6 +392,11 @@ def summarize(run: Run) -> dict:
           pool: t / (window[1] - window[0]) for pool, t in sorted(busy.items()) if window[1] > window[0]
       },
       "resumed_at": [step for step, _ in run.resumes],
+      "episode_turns": stat("episode_turns", np.mean),
+      "episode_tool_calls": stat("episode_tool_calls", np.mean),
+      "env_token_share": stat("env_token_share", np.mean),
+      "tool_errors": stat("tool_errors", np.max),
+      "episode_faults": stat("episode_faults", np.max),
       "plan": plan_vs_measured(run),
   }
 
@@ -443,6 +476,12 @@ def markdown(runs, summaries, figures, command) -> str:
                    f"eval accuracy {_fmt(s['warm_start_accuracy'])} before RL.")
     if s["resumed_at"]:
       lines.append(f"- {run.label}: resumed at step {', '.join(map(str, s['resumed_at']))}.")
+    if s["episode_turns"] is not None:
+      lines.append(f"- {run.label}: episodes of {_fmt(s['episode_turns'], '{:.2f}')} model turns and "
+                   f"{_fmt(s['episode_tool_calls'], '{:.2f}')} tool calls on average, "
+                   f"{_fmt(s['env_token_share'], '{:.0%}')} of their tokens observations; "
+                   f"{_fmt(s['tool_errors'], '{:.0f}')} tool errors, {_fmt(s['episode_faults'], '{:.0f}')} "
+                   "episode faults.")
   lines += [
       "", "Tokens/s and sync are medians over the logged steps; *seconds* is the run's time from its first "
       "row, without the downtime between a stop and its resume; *pools busy* is the share of the run's "

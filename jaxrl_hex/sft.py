@@ -11,6 +11,7 @@ from jaxrl_hex.rl.batch import sft_batch
 from jaxrl_hex.rl.objectives import sft_loss
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer
 from jaxrl_hex.rollout.engine import Engine
+from jaxrl_hex.tasks import is_episodic
 from jaxrl_hex.tasks.scoring import RewardScorer
 
 
@@ -24,18 +25,19 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft", policy=None):
   stream = PromptStream(rt.task.train, s.batch_size, seed=rt.cfg.seed)
   engine = Engine(policy, pool, rt.tokenizer, rt.cfg.rollout.max_new_tokens,
                   max_prompt_len=rt.cfg.rollout.max_prompt_len)  # the task's prompts were checked against it
-  scorer = RewardScorer(rt.task, rt.cfg.rollout.reward_timeout_s)
+  # an environment or agent scores its own episodes
+  scorer = None if is_episodic(rt.task) else RewardScorer(rt.task, rt.cfg.rollout.reward_timeout_s)
   eval_records = list(rt.task.eval[:s.eval_size])
   # the phase ends at the accuracy target, usually long before max_steps: the console says so
   progress = Progress(phase, s.max_steps, rt.cfg.train.log_every,
                       target=("eval_accuracy", s.target_accuracy) if s.target_accuracy > 0 else None)
-  accuracy = evaluate(engine, scorer, eval_records, 0, trainer.whole(), len(eval_records))
+  accuracy = evaluate(engine, scorer, eval_records, 0, trainer.whole(), len(eval_records), rt.task)
   start_accuracy, t0 = accuracy, time.time()
   recorder.log({"phase": phase, "step": 0, "eval_accuracy": accuracy, "wall_s": time.time() - recorder.t0})
   step = 0
   while step < s.max_steps and not (0 < s.target_accuracy <= accuracy):
     records, _ = stream.next()
-    m = trainer.step(sft_batch(rt.tokenizer, records))
+    m = trainer.step(sft_batch(rt.tokenizer, records, rt.task))
     step += 1
     row = {
         "phase": phase,
@@ -46,13 +48,15 @@ def run_sft(rt, params, recorder, checkpointer=None, phase="sft", policy=None):
         "wall_s": time.time() - recorder.t0
     }
     if step % s.eval_every == 0 or step == s.max_steps:
-      accuracy = row["eval_accuracy"] = evaluate(engine, scorer, eval_records, step, trainer.whole(), len(eval_records))
+      accuracy = row["eval_accuracy"] = evaluate(engine, scorer, eval_records, step, trainer.whole(), len(eval_records),
+                                                 rt.task)
     recorder.log(row)
     progress.update(step, row)
   if checkpointer is not None:
     checkpointer.save(step, trainer.state(), {"phase": phase, "step": step, "eval_accuracy": accuracy})
     checkpointer.wait()
-  scorer.close()
+  if scorer is not None:
+    scorer.close()
   summary = {
       "steps": step,
       "eval_accuracy_start": start_accuracy,

@@ -20,7 +20,7 @@ os.environ.setdefault("JAXRL_HEX_QUIET", "1")
 
 import filelock  # noqa: E402
 import pytest  # noqa: E402
-from support import ROOT, SMALL, load_config  # noqa: E402
+from support import RESUMED_AT, RESUMED_STEPS, ROOT, SMALL, load_config  # noqa: E402
 
 from jaxrl_hex import meshes  # noqa: E402
 
@@ -30,21 +30,51 @@ def pools():
   return meshes.build_pools(meshes.load_mesh_file(os.path.join(ROOT, "meshes", "cpu-8.yaml")))
 
 
-@pytest.fixture(scope="session")
-def warm_workdir(tmp_path_factory):
-  """An SFT run that the RL tests start from (init_from), so they skip the warm start. Under
-  pytest-xdist the workers of one session share it: the first to ask runs it, the rest wait."""
-  from jaxrl_hex import commands
+def _session_run(tmp_path_factory, name, build):
+  """WORKDIR of a run the whole session shares: build(WORKDIR) runs once. Under pytest-xdist the
+  workers of one session share it: the first to ask builds it, the rest wait."""
   base = tmp_path_factory.getbasetemp()
   root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's, never an older one's
-  workdir = root / "warm"
-  with filelock.FileLock(str(root / "warm.lock")):
+  workdir = root / name
+  with filelock.FileLock(str(root / f"{name}.lock")):
     if not (workdir / "done").exists():
       shutil.rmtree(workdir, ignore_errors=True)  # a worker that died half-way
-      cfg = load_config(**SMALL, **{"sft.max_steps": 240, "sft.target_accuracy": 0.2})
-      commands.sft(cfg, str(workdir))
+      build(str(workdir))
       (workdir / "done").touch()
   return str(workdir)
+
+
+@pytest.fixture(scope="session")
+def warm_workdir(tmp_path_factory):
+  """An SFT run that the RL tests start from (init_from), so they skip the warm start."""
+  from jaxrl_hex import commands
+  cfg = load_config(**SMALL, **{"sft.max_steps": 240, "sft.target_accuracy": 0.2})
+  return _session_run(tmp_path_factory, "warm", lambda workdir: commands.sft(cfg, workdir))
+
+
+@pytest.fixture(scope="session")
+def calculator_warm(tmp_path_factory):
+  """A supervised warm start of the calculator tool task (tests/support_agentic.py's settings):
+  the agentic RL tests start from it, so its episodes call the tool."""
+  from support_agentic import calculator_config
+
+  from jaxrl_hex import commands
+  cfg = calculator_config(**{"sft.max_steps": 200, "sft.target_accuracy": 0.2})
+  return _session_run(tmp_path_factory, "calculator_warm", lambda workdir: commands.sft(cfg, workdir))
+
+
+@pytest.fixture(scope="session")
+def resumed_run(tmp_path_factory, warm_workdir):
+  """SMALL RL from the warm start, RESUMED_AT steps, then `train --resume --config.train.steps=RESUMED_STEPS`
+  through the CLI (checkpoints RESUMED_AT and RESUMED_STEPS): test_report's run and test_cli's resume
+  test's. Tests read it; one that trains on copies it first."""
+  from jaxrl_hex import cli, commands
+
+  def build(workdir):
+    commands.train(load_config(**SMALL, **{"init_from": warm_workdir, "train.steps": RESUMED_AT}), workdir)
+    assert cli.main(["train", f"--workdir={workdir}", "--resume", f"--config.train.steps={RESUMED_STEPS}"]) == 0
+
+  return _session_run(tmp_path_factory, "resumed", build)
 
 
 @pytest.fixture(scope="session")

@@ -26,3 +26,6 @@ SMALL = {
     "train.log_every": 1,
     "sft.eval_size": 64,
 }
+
+# conftest's resumed_run: stopped after step RESUMED_AT, resumed to RESUMED_STEPS
+RESUMED_AT, RESUMED_STEPS = 3, 6

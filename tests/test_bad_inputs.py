@@ -15,6 +15,8 @@ BAD_YAML = "pools:\n  train: {devices: 4, mesh: {fsdp: 4}\n  rollout: {devices: 
 MESH_8_ON_12 = ("platform: cpu\nnum_devices: 8\npools:\n  train: {devices: 8, mesh: {fsdp: 8}}\n"
                 "  rollout: {devices: 4, mesh: {data: 4}}\n")
 PROMPT = '{"prompt": "12+30="}\n'
+ENV_JSON_FORMAT = ("from jaxrl_hex.tasks import EnvTask\nclass E:\n  pass\n"
+                   "def make_env(config):\n  return EnvTask('e', [{'q': 1}], [{'q': 1}], E, tool_format='json')\n")
 
 GEN = "generate --workdir={run} --prompts={tmp}/p.jsonl --out={tmp}/o.jsonl"
 MESH = "train --config.mesh_file={tmp}/m.yaml"
@@ -94,6 +96,16 @@ CASES = [
     ("task file missing", "train --config.task={tmp}/task.py:make_task", "task: file '{tmp}/task.py' does not exist"),
     ("task function missing", "train --config.task={tmp}/task.py:make_it", "no function 'make_it'"),
     ("task not a spec", "sft --config.task=arithmetic", "task: 'arithmetic' is neither a built-in task"),
+    # environments (tasks/environment.py): the same loading, their own checks
+    ("env file missing", "train --config.task={tmp}/env.py:make_env", "task: file '{tmp}/env.py' does not exist"),
+    ("env function missing", "train --config.task={tmp}/env.py:make_envv", "has no function 'make_envv'"),
+    ("env returns the wrong type", "train --config.task={tmp}/env.py:make_env",
+     "task: {tmp}/env.py:make_env returned dict, not jaxrl_hex.tasks.Task, EnvTask or AgentTask"),
+    ("env unknown tool format", "train --config.task={tmp}/env.py:make_env",
+     "tool_format='json': expected one of ['hermes', 'tags']"),
+    ("env first prompt too long", "train --config.task=guess --config.rollout.max_prompt_len=4",
+     "rollout.max_prompt_len=4: 248 of 248 train prompts and 31 of 31 eval prompts of task 'guess31' are longer"),
+    ("turn_tokens<0", "train --config.rollout.turn_tokens=-1", "rollout.turn_tokens=-1 must be >= 0"),
     # generate
     ("generate: prompt past max_seq_len", GEN, "line 1 of {tmp}/p.jsonl is 5001 tokens (BOS included), longer than "
      "the model's max_seq_len=4096 (model.max_seq_len"),
@@ -161,6 +173,9 @@ FILES = {  # name -> {file in {tmp}: text}
     "mesh without pools": {"m.yaml": "platform: cpu\n"},
     "mesh past num_devices": {"m.yaml": MESH_8_ON_12},
     "task function missing": {"task.py": "X = 1\n"},
+    "env function missing": {"env.py": "def make_env(config):\n  return None\n"},
+    "env returns the wrong type": {"env.py": "def make_env(config):\n  return {'train': []}\n"},
+    "env unknown tool format": {"env.py": ENV_JSON_FORMAT},
     "generate: prompt past max_seq_len": {"p.jsonl": json.dumps({"prompt": "1" * 5000}) + "\n"},
     "generate: prompt past max_prompt_len": {"p.jsonl": PROMPT + json.dumps({"prompt": "1" * 100}) + "\n"},
     "generate: a line's n=0": {"p.jsonl": PROMPT + '{"prompt": "1+1=", "n": 0}\n'},

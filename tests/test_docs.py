@@ -48,3 +48,13 @@ def test_readme_main_command_reproduces_the_demo_table(tmp_path):
   # RL's batches depend on how the pools' timings interleave: near the table, not equal to it
   assert abs(got["accuracy_warmstart"] - want["accuracy_warmstart"]) <= 0.03, got
   assert abs(got["accuracy_end"] - want["accuracy_end"]) <= 0.06, got
+
+
+def test_readme_agentic_table_is_the_committed_runs():
+  gen = _load("gen_agentic")
+  summary = json.load(open(gen.SUMMARY))
+  table = gen.render(summary)
+  for key in ("calculator", "guess"):  # both learn: at least 20 points over their warm start
+    assert summary[key]["accuracy_end"] - summary[key]["accuracy_warmstart"] >= 0.2, summary[key]
+  assert summary["agent"]["accuracy_end"] > summary["agent"]["accuracy_warmstart"]  # the endpoint's agent learns
+  assert table in open(gen.README).read(), "README.md's agentic table is stale: run `python docs/gen_agentic.py ...`"

@@ -7,7 +7,7 @@ import re
 from support import ROOT
 
 PACKAGE = os.path.join(ROOT, "jaxrl_hex")
-LAZY_OK = {"ray", "torch", "transformers", "wandb", "matplotlib"}  # optional or heavy third-party packages
+LAZY_OK = {"ray", "torch", "transformers", "wandb", "matplotlib", "openai"}  # optional or heavy third-party packages
 
 
 def _layers() -> dict:

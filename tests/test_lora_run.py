@@ -1,7 +1,8 @@
-"""The commands that read a run's checkpoint, on a LoRA run (its checkpoints hold adapters only, its
-base elsewhere): eval scores what the run recorded, convert --to-hf exports it merged for plain
-transformers, --to-peft exports its adapters for peft on the exported base, --from-peft brings them
-back as a run, and a base that changed under the run is refused in one line."""
+"""A LoRA run (its checkpoints hold adapters only, its base elsewhere): a resume restores adapters and
+optimizer exactly and refuses a changed base, and the commands that read its checkpoint work on it: eval
+scores what the run recorded, convert --to-hf exports it merged for plain transformers, --to-peft exports
+its adapters for peft on the exported base, --from-peft brings them back as a run, and a base that changed
+under the run is refused in one line."""
 import contextlib
 import io
 import json
@@ -34,8 +35,8 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, warm_workdir):
-  """The LoRA demo config at rank 4, 3 RL steps from the shared warm start (its base), evaluated
-  and checkpointed at the last."""
+  """The LoRA demo config at rank 4, 3 synchronous RL steps (eta = 0) from the shared warm start (its base)
+  with a KL term, no warmup and Orbax sync; checkpointed at 2 and 3, evaluated and logprob-probed at the last."""
   workdir = str(tmp_path_factory.mktemp("lora") / "run")
   cfg = load_config(
       "configs/arith_grpo_lora.py",
@@ -43,16 +44,20 @@ def lora_run(tmp_path_factory, warm_workdir):
           **SMALL,
           "init_from": warm_workdir,
           "model.lora.rank": 4,
+          "algo.kl_coef": 0.01,
+          "optim.warmup_steps": 0,  # the first update moves the adapters (the warmup's starts at lr 0)
+          "train.max_staleness": 0,
+          "sync.method": "orbax",
           "train.steps": STEPS,
           "train.eval_every": STEPS,
-          "train.checkpoint_every": STEPS,
-          "sync.probe_every": 0  # its programs' compiles, which no test here needs
+          "train.checkpoint_every": 2,
+          "sync.probe_every": STEPS  # at the start and once the adapters are trained
       })
   commands.train(cfg, workdir)
-  rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  accuracy = {r["step"]: r["eval_accuracy"] for r in rows if r["phase"] == "train" and "eval_accuracy" in r}
+  rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r["phase"] == "train"]
+  accuracy = {r["step"]: r["eval_accuracy"] for r in rows if "eval_accuracy" in r}
   record = json.load(open(os.path.join(workdir, "checkpoints", BASE_RECORD)))
-  return {"workdir": workdir, "accuracy": accuracy, "record": record}
+  return {"workdir": workdir, "rows": rows, "accuracy": accuracy, "record": record}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +84,44 @@ def engine_greedy(lora_run, tmp_path_factory):
   cfg = read_run_config(lora_run["workdir"])
   prompts = [r["prompt"] for r in load_task(cfg.task, cfg).eval[:12]]
   return prompts, _engine_greedy(lora_run["workdir"], prompts, tmp_path_factory.mktemp("greedy"))
+
+
+def _one_line_error(argv, message, capsys):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_lora_run_resumes_like_an_uninterrupted_one_and_refuses_another_base(lora_run, tmp_path, capsys):
+  """Adapters alone are checkpointed and synced (Orbax), the base is the KL reference (KL exactly 0 at
+  the first step), the engine's adapters score as the trainer's, and a resume from checkpoint 2
+  restores adapters and optimizer: at eta = 0 its step 3 equals the uninterrupted run's."""
+  straight = lora_run["rows"]
+  assert [r["step"] for r in straight] == list(range(STEPS + 1)) and "['embed']" in lora_run["record"]["fingerprint"]
+  # the checkpoint's params are the adapters; the base stays where the record says
+  saved = json.load(open(os.path.join(lora_run["workdir"], "checkpoints", "2", "params", "_METADATA")))
+  names = str(saved["tree_metadata"])
+  assert "wq_lora" in names and "'embed'" not in names
+  assert sorted(os.listdir(os.path.join(lora_run["workdir"], "sync"))) == ["base"] + [f"v{v:08d}" for v in (1, 2, 3)]
+  assert straight[1]["kl"] == 0.0 and straight[2]["kl"] > 0
+  assert straight[STEPS]["probe_gap"] < 1e-4
+  split = str(tmp_path / "split")
+  shutil.copytree(lora_run["workdir"], split)
+  assert cli.main(["train", f"--workdir={split}", "--resume", "--step=2"]) == 0
+  resumed = [r for r in read_jsonl(os.path.join(split, "metrics.jsonl")) if r["phase"] == "train"]
+  assert [r["step"] for r in resumed] == list(range(STEPS + 1)) and resumed[STEPS]["resumed_from"] == 2
+  assert resumed[STEPS]["loss"] == pytest.approx(straight[STEPS]["loss"], abs=1e-6)
+  assert resumed[STEPS]["grad_norm"] == pytest.approx(straight[STEPS]["grad_norm"], rel=1e-4)
+  # a base that is no longer the one the adapters were trained on: one line, nothing trained
+  path = os.path.join(split, "checkpoints", BASE_RECORD)
+  record = json.load(open(path))
+  record["fingerprint"]["['embed']"][0] += 1.0
+  with open(path, "w") as f:
+    json.dump(record, f)
+  capsys.readouterr()
+  _one_line_error(["train", f"--workdir={split}", "--resume", "--config.train.steps=4"],
+                  "is not the one this run's adapters were trained on (leaf ['embed'] differs from its fingerprint in "
+                  "lora_base.json)", capsys)
 
 
 def test_eval_scores_a_lora_checkpoint_as_the_run_recorded(lora_run, warm_workdir, tmp_path):
@@ -140,12 +183,6 @@ def test_from_peft_brings_the_adapters_back_as_a_run_on_their_base(exports, engi
   for name, entry in before.entries.items():
     index = tuple(slice(None) for _ in entry.shape)
     np.testing.assert_array_equal(ours.read(name, index), before.read(name, index))
-
-
-def _one_line_error(argv, message, capsys):
-  assert cli.main(argv) == 2
-  err = capsys.readouterr().err
-  assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_run_whose_base_changed_is_refused_in_one_line(lora_run, tmp_path, capsys):

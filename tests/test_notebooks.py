@@ -1,5 +1,6 @@
-"""The Colab notebooks as CI runs them: quickstart.ipynb top to bottom on CPU with few steps."""
+"""The Colab notebooks as CI runs them: each one top to bottom on CPU with few steps."""
 import ast
+import json
 import os
 
 import nbformat
@@ -41,14 +42,25 @@ def test_quickstart_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
   assert (tmp_path / "runs" / "quickstart" / "tb").is_dir()
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "bring_your_model.ipynb"])
+def _cell(code, start):
+  """The code cell whose source starts with `start`."""
+  return next(c for c in code if c.source.startswith(start))
+
+
+def _stdout(cell):
+  return "".join(o["text"] for o in _outputs(cell, "stdout"))
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "bring_your_model.ipynb", "agentic.ipynb"])
 def test_notebooks_are_valid_and_their_code_parses(name):
   nb = nbformat.read(os.path.join(COLAB, name), as_version=4)
   nbformat.validate(nb)
   for cell in nb.cells:
     if cell.cell_type == "code":
       assert not cell.outputs, f"{name}: commit notebooks without outputs"
-      ast.parse(cell.source)
+      magic, _, body = cell.source.partition("\n")
+      # a %%writefile cell's body is the Python file it writes
+      ast.parse(body if magic.startswith("%%writefile") else cell.source)
 
 
 @pytest.mark.slow  # 110-160 s on 2 loaded cores: five JAX processes, the engine and trainer compiles
@@ -72,3 +84,43 @@ def test_bring_your_model_runs_its_demo_top_to_bottom_on_cpu(tmp_path, monkeypat
   # the export read back by from_hf and by transformers gives the same logits
   diff = float(text.split("max |difference| ")[1].split()[0])
   assert diff < 1e-4
+
+
+@pytest.mark.slow  # 3-6 min on 2 shared cores: 5 JAX processes (sft, generate, train, generate, report)
+def test_agentic_defines_a_tool_and_an_environment_trains_and_prints_transcripts(tmp_path, monkeypatch):
+  """The environment file written by the notebook, its warm start and GRPO runs, the transcripts
+  of held-out episodes before and after RL, and the report's episodes figure."""
+  monkeypatch.setenv("AGENTIC_RL_STEPS", "4")
+  monkeypatch.setenv("AGENTIC_SFT_MAX_STEPS", "40")
+  monkeypatch.setenv(
+      "AGENTIC_FLAGS", " ".join([
+          "--config.rollout.prompts_per_step=8", "--config.rollout.group_size=4", "--config.sft.eval_every=40",
+          "--config.sft.eval_size=16", "--config.train.eval_size=16", "--config.train.eval_every=2",
+          "--config.train.log_every=1"
+      ]))
+  workdir = tmp_path / "runs" / "agentic"
+  monkeypatch.setenv("AGENTIC_WORKDIR", str(workdir))
+  monkeypatch.setenv("AGENTIC_SHOW", "2")
+  monkeypatch.delenv("JAXRL_HEX_QUIET", raising=False)
+  nb = nbformat.read(os.path.join(COLAB, "agentic.ipynb"), as_version=4)
+  NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  assert "def make_env(config)" in (tmp_path / "lookup_env.py").read_text()
+  by_hand = _stdout(_cell(code, "from jaxrl_hex.config import"))
+  assert "lookup: 1377 train and 64 held-out records, tools ['lookup']" in by_hand
+  assert '"name": "lookup"' in by_hand and "reward=1.0, done=True" in by_hand and "reward=0.0, done=True" in by_hand
+  assert "sft: " in _stdout(_cell(code, "OVERRIDES = "))
+  train_log = _stdout(_cell(code, "run(*JAXRL_HEX, \"train\""))
+  assert "train 4/4" in train_log and "turns" in train_log and "\x1b" not in train_log
+  for start in ("def play(", "after = play("):  # before and after RL: conversations with the tool's turns
+    text = _stdout(_cell(code, start))
+    assert text.count("\nepisode ") == 2 and "  model  <lookup>" in text and "   tool  <" in text
+    assert "held-out success: " in text and " of 64 episodes" in text
+  assert "RL solved " in _stdout(_cell(code, "after = play("))
+  report = _cell(code, "from IPython.display import")
+  assert len(_outputs(report, "image/png")) == 3  # reward, held-out success, episodes
+  assert (workdir / "rl" / "report" / "episodes.png").stat().st_size > 10_000
+  summary = json.loads((workdir / "rl" / "summary.json").read_text())
+  assert summary["steps"] == 4
+  assert json.loads((workdir / "rl" / "config.json").read_text())["task"].endswith("lookup_env.py:make_env")

@@ -1,5 +1,6 @@
-"""`jaxrl-hex report` on a real short run, resumed half-way: every figure drawn with content, the
-markdown lists them, curves break at the resume, the timeline's overview is to scale."""
+"""`jaxrl-hex report` on a real short run, resumed half-way (conftest's resumed_run, which test_cli's resume
+test shares): every figure drawn with content, the markdown lists them, curves break at the resume, the
+timeline's overview is to scale."""
 import json
 import os
 
@@ -7,25 +8,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 from matplotlib.image import imread
-from support import SMALL, load_config
+from support import RESUMED_AT, RESUMED_STEPS
 from test_metrics import _assert_tb_holds_every_metric
 
-from jaxrl_hex import cli, commands, report
+from jaxrl_hex import cli, report
 from jaxrl_hex.metrics import read_jsonl
 from jaxrl_hex.report import FIGURES
-
-# one worker builds the module's runs (pytest -n 2 --dist loadgroup), not each of them
-pytestmark = pytest.mark.xdist_group("report")
-
-RESUMED = 3  # the short run stops after this step and is resumed to 6
-
-
-@pytest.fixture(scope="module")
-def short_run(tmp_path_factory, warm_workdir):
-  workdir = str(tmp_path_factory.mktemp("report") / "async")
-  commands.train(load_config(**SMALL, **{"init_from": warm_workdir, "train.steps": RESUMED}), workdir)
-  assert cli.main(["train", f"--workdir={workdir}", "--resume", "--config.train.steps=6"]) == 0
-  return workdir
 
 
 @pytest.fixture
@@ -61,43 +49,44 @@ def _check_figure(path):
   assert len(colours) > 50, f"{path} is nearly blank"
 
 
-def test_report_of_a_short_run(short_run, capsys):
-  assert cli.main(["report", short_run]) == 0
-  out = os.path.join(short_run, "report")
+def test_report_of_a_short_run(resumed_run, capsys):
+  assert cli.main(["report", resumed_run]) == 0
+  out = os.path.join(resumed_run, "report")
   assert capsys.readouterr().out.strip() == f"report: {os.path.join(out, 'report.md')}"
-  rl_figures = [name for name in FIGURES if name != "sft_loss.png"]
+  rl_figures = [name for name in FIGURES if name not in ("sft_loss.png", "episodes.png")]  # no SFT, no episodes
   assert sorted(os.listdir(out)) == sorted(rl_figures + ["report.md", "report.json"])
   for name in rl_figures:
     _check_figure(os.path.join(out, name))
   md = open(os.path.join(out, "report.md")).read()
   for name in rl_figures:
     assert f"]({name})" in md
-  assert "| async | 6 RL |" in md and f"- async: resumed at step {RESUMED}." in md
-  summary = json.load(open(os.path.join(out, "report.json")))["async"]
-  assert summary["resumed_at"] == [RESUMED]
-  rows = [json.loads(l) for l in open(os.path.join(short_run, "metrics.jsonl"))]
+  assert f"| resumed | {RESUMED_STEPS} RL |" in md and f"- resumed: resumed at step {RESUMED_AT}." in md
+  summary = json.load(open(os.path.join(out, "report.json")))["resumed"]
+  assert summary["resumed_at"] == [RESUMED_AT]
+  rows = [json.loads(l) for l in open(os.path.join(resumed_run, "metrics.jsonl"))]
   train = [r for r in rows if r["phase"] == "train"]
-  assert summary["steps"] == 6 and summary["staleness_max"] == max(r["staleness_max"] for r in train[1:])
+  assert summary["steps"] == RESUMED_STEPS and summary["staleness_max"] == max(r["staleness_max"] for r in train[1:])
   assert summary["eval_accuracy_end"] == train[-1]["eval_accuracy"]
   assert summary["staleness_mean"] == pytest.approx(np.mean([r["staleness_mean"] for r in train[1:]
                                                             ]))  # every step trains the same number of samples
   assert set(summary["busy"]) == {"rollout", "train"} and all(0 < v <= 1 for v in summary["busy"].values())
 
 
-def test_curves_of_a_resumed_run_break_at_the_resume_and_mark_it(short_run, drawn):
-  rows = [r for r in read_jsonl(os.path.join(short_run, "metrics.jsonl")) if r["phase"] == "train"]
-  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6] and rows[RESUMED + 1]["resumed_from"] == RESUMED
-  run = report.load_run(short_run, "async")
+def test_curves_of_a_resumed_run_break_at_the_resume_and_mark_it(resumed_run, drawn):
+  rows = [r for r in read_jsonl(os.path.join(resumed_run, "metrics.jsonl")) if r["phase"] == "train"]
+  assert [r["step"] for r in rows] == list(range(RESUMED_STEPS + 1))
+  assert rows[RESUMED_AT + 1]["resumed_from"] == RESUMED_AT
+  run = report.load_run(resumed_run, "resumed")
   # the resumed process's seconds count on from the row it resumed at: its restart shows, the downtime does not
-  restart = run.rows[RESUMED + 1]["rl_s"] - run.rows[RESUMED]["rl_s"]
-  assert restart == pytest.approx(rows[RESUMED + 1]["wall_s"]) and restart > 0
-  figs = drawn(short_run, "async")
+  restart = run.rows[RESUMED_AT + 1]["rl_s"] - run.rows[RESUMED_AT]["rl_s"]
+  assert restart == pytest.approx(rows[RESUMED_AT + 1]["wall_s"]) and restart > 0
+  figs = drawn(resumed_run, "resumed")
   panels = [*figs["reward.png"].axes, *figs["eval_accuracy.png"].axes, *figs["throughput.png"].axes]
   assert len(panels) == 6
   for ax in panels:
     wall = ax.get_xlabel().startswith("seconds")
     assert ax.get_xlabel() in ("RL step", "seconds since RL start"), ax.get_xlabel()
-    at = run.rows[RESUMED]["rl_s"] if wall else RESUMED
+    at = run.rows[RESUMED_AT]["rl_s"] if wall else RESUMED_AT
     assert _marks(ax) == [pytest.approx(at)], ax.get_xlabel()
     assert [t.get_text() for t in ax.texts] == ["resumed"]
     for line in _curves(ax):
@@ -113,12 +102,12 @@ def test_curves_of_a_resumed_run_break_at_the_resume_and_mark_it(short_run, draw
                                      4]]) == [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
 
 
-def test_timeline_overview_draws_spans_to_scale(short_run, drawn):
+def test_timeline_overview_draws_spans_to_scale(resumed_run, drawn):
   """The overview's bars are as long as their spans (a 5 ms sync stays 5 ms wide, drawn over the
   steps, never under them); the close-up widens short spans to be seen."""
-  spans = read_jsonl(os.path.join(short_run, "spans.jsonl"))
-  whole, zoom = drawn(short_run, "async")["timeline.png"].axes
-  assert whole.get_title(loc="left") == "async: the whole run, to scale"
+  spans = read_jsonl(os.path.join(resumed_run, "spans.jsonl"))
+  whole, zoom = drawn(resumed_run, "resumed")["timeline.png"].axes
+  assert whole.get_title(loc="left") == "resumed: the whole run, to scale"
 
   def widths(ax):  # each bar: 4 corners from its start, the first again, a close code
     return {p.get_label(): np.ptp(p.get_path().vertices.reshape(-1, 6, 2)[:, :4, 0], axis=1) for p in ax.patches}
@@ -164,17 +153,18 @@ def test_an_sft_run_gets_its_own_figures_and_labels(warm_workdir, drawn, tmp_pat
   assert list(line.get_ydata()) == [r["eval_accuracy"] for r in rows if r.get("eval_accuracy") is not None]
 
 
-def test_tensorboard_of_a_short_run_holds_metrics_jsonl(short_run):
-  assert _assert_tb_holds_every_metric(short_run) > 6 * 10
+def test_tensorboard_of_a_short_run_holds_metrics_jsonl(resumed_run):
+  assert _assert_tb_holds_every_metric(resumed_run) > RESUMED_STEPS * 10
 
 
-def test_compare_two_runs_in_one_report(short_run, warm_workdir, tmp_path):
+def test_compare_two_runs_in_one_report(resumed_run, warm_workdir, tmp_path):
   out = str(tmp_path / "cmp")
-  assert cli.main(["report", short_run, warm_workdir, f"--out={out}"]) == 0
+  assert cli.main(["report", resumed_run, warm_workdir, f"--out={out}"]) == 0
   for name in FIGURES:
-    _check_figure(os.path.join(out, name))
+    if name != "episodes.png":  # neither run is an environment's
+      _check_figure(os.path.join(out, name))
   md = open(os.path.join(out, "report.md")).read()
-  labels = [os.path.basename(short_run), os.path.basename(warm_workdir)]
+  labels = [os.path.basename(resumed_run), os.path.basename(warm_workdir)]
   assert all(f"| {label} |" in md for label in labels)
 
 
@@ -184,7 +174,7 @@ def test_report_of_a_directory_without_a_run(capsys, tmp_path):
   assert err == f"jaxrl-hex: error: report: {tmp_path} has no metrics.jsonl; pass the workdir of a train or sft run"
 
 
-def test_plan_vs_measured_reads_the_plan_of_the_run_mesh_file(short_run, tmp_path):
+def test_plan_vs_measured_reads_the_plan_of_the_run_mesh_file(resumed_run, tmp_path):
   """A run whose mesh file carries a planner's `plan:` block: the report puts each predicted
   figure beside the run's own measure of it."""
   import shutil
@@ -193,7 +183,7 @@ def test_plan_vs_measured_reads_the_plan_of_the_run_mesh_file(short_run, tmp_pat
 
   from jaxrl_hex.config import read_run_config, write_run_config
   workdir = tmp_path / "planned"
-  shutil.copytree(short_run, workdir, ignore=shutil.ignore_patterns("checkpoints", "report", "tb"))
+  shutil.copytree(resumed_run, workdir, ignore=shutil.ignore_patterns("checkpoints", "report", "tb"))
   cfg = read_run_config(str(workdir))
   mesh = yaml.safe_load(open(cfg.mesh_file))
   mesh["plan"] = {"predicted": {"step_s": 0.5, "train_step_s": 0.25, "rollout_s": 0.4, "gen_tokens_per_s": 1000.0}}
@@ -215,3 +205,18 @@ def test_plan_vs_measured_reads_the_plan_of_the_run_mesh_file(short_run, tmp_pat
   md = open(workdir / "report" / "report.md").read()
   assert "## Plan vs measured: planned" in md
   assert f"| step_s | 0.5 | {plan['step_s'][1]:,.4g} | {plan['step_s'][1] / 0.5:.2f}x |" in md
+
+
+def test_curves_of_two_points_are_drawn(tmp_path):
+  """A run that evaluated twice (at the start and the end) or took two steps: two-point curves."""
+  rows = [{
+      "phase": "train",
+      "step": s,
+      "wall_s": 1.0 + s,
+      "reward_mean": 0.1 * s,
+      "eval_accuracy": 0.5
+  } for s in (0, 2)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "report"
+  report.render([str(tmp_path)], str(out))
+  assert (out / "reward.png").stat().st_size > 10_000 and (out / "eval_accuracy.png").exists()

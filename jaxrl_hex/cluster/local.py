@@ -9,15 +9,16 @@ from jaxrl_hex.base_weights import first_weights
 from jaxrl_hex.checkpoint import Checkpointer
 from jaxrl_hex.config import resolve_path
 from jaxrl_hex.data.rollouts import select_rows
-from jaxrl_hex.evaluation import greedy_completions
+from jaxrl_hex.evaluation import greedy_completions, greedy_episodes
 from jaxrl_hex.rl.batch import scoring_batch
 from jaxrl_hex.rl.objectives import make_rl_loss
 from jaxrl_hex.rl.trainer import Trainer, make_optimizer
 from jaxrl_hex.rollout.engine import Engine, engine_options
-from jaxrl_hex.rollout.stream import ChunkStream
+from jaxrl_hex.rollout.streams import make_stream
 from jaxrl_hex.sync import make_sync
 from jaxrl_hex.sync.adapters import AdapterWeights
 from jaxrl_hex.sync.fingerprint import check, fingerprint
+from jaxrl_hex.tasks import is_episodic, prompt_lengths
 
 ADVANCE_MAX_S = 1.0  # longest a fleet replica's call runs without news (weights arrive beside it)
 
@@ -130,16 +131,18 @@ class LocalRolloutSide:
     self.engine = Engine(policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **options,
                          weights_source=self._fresh_weights)
     self.eval_engine = Engine(policy, pool, rt.tokenizer, r.max_new_tokens, **options)
-    self.stream = ChunkStream(self.engine)  # a fleet replica's routed chunks (advance)
+    # a fleet replica's routed chunks (advance): prompt groups, or an environment's episodes
+    self.episodic = is_episodic(rt.task)
+    self.stream = make_stream(self.engine, rt.task, r.turn_tokens)
     self._arrived = threading.Event()  # set by notify(): the router holds new work for this replica
     self.receives = []  # (start, end) of the weight receives the engine pulled mid-generation
 
   def warmup(self, sample: int = 1000) -> float:
     """Compiles the engine's programs for the task's prompt lengths (a sample of its training
     prompts) before the replica takes work -> seconds."""
-    tok, records = self.rt.tokenizer, self.rt.task.train
+    records = self.rt.task.train
     step = max(1, len(records) // sample)
-    lengths = [len(tok.encode(records[i]["prompt"])) + 1 for i in range(0, len(records), step)]  # + BOS
+    lengths = list(prompt_lengths(self.rt.task, [records[i] for i in range(0, len(records), step)]))
     return self.engine.warmup(lengths, self.rt.cfg.rollout.group_size)
 
   def notify(self):
@@ -186,10 +189,12 @@ class LocalRolloutSide:
 
   def generate(self, records, group_size, seed, batch_index, handle):
     """-> (Rollout, receive span or None, {} (one runtime: no per-replica figures)). Weights are at
-    least handle.version."""
+    least handle.version. An environment's Rollout holds its episodes, rewards included."""
     span = self.refresh(self.engine, handle)
-    rollout = self.engine.generate([r["prompt"] for r in records], group_size, batch_key(seed, batch_index),
-                                   group_ids=[r["index"] for r in records])
+    key, ids = batch_key(seed, batch_index), [r["index"] for r in records]
+    if self.episodic:
+      return self.stream.run(records, group_size, key, ids)[0], span, {}
+    rollout = self.engine.generate([r["prompt"] for r in records], group_size, key, group_ids=ids)
     return rollout, span, {}
 
   def advance(self, chunks, handle) -> dict:
@@ -200,8 +205,8 @@ class LocalRolloutSide:
     switches before it admits); a group's samples are those generate() would draw."""
     self.offer(handle)
     for cid, records, group_size, seed, batch_index in chunks:
-      self.stream.submit(cid, [r["prompt"] for r in records], group_size, batch_key(seed, batch_index),
-                         [r["index"] for r in records])
+      self.stream.submit(cid, records if self.episodic else [r["prompt"] for r in records], group_size,
+                         batch_key(seed, batch_index), [r["index"] for r in records])
     engine = self.engine
     tokens, steps, decode_s, self.receives = engine.tokens_generated, engine.decode_steps, engine.decode_seconds, []
     done = self.stream.advance(max_s=ADVANCE_MAX_S, group_size=self.rt.cfg.rollout.group_size,
@@ -217,8 +222,11 @@ class LocalRolloutSide:
         "receives": self.receives
     }
 
-  def evaluate(self, records, handle) -> list[str]:
+  def evaluate(self, records, handle) -> list:
+    """Greedy completions (str) of the records, to score; an environment's greedy episodes' rewards (float)."""
     self.refresh(self.eval_engine, handle)
+    if self.episodic:
+      return greedy_episodes(self.eval_engine, self.rt.task, records, self.rt.cfg.rollout.turn_tokens)[0].tolist()
     return greedy_completions(self.eval_engine, records, len(records))
 
   def probe(self, prompt, handle) -> list[dict]:
@@ -241,7 +249,8 @@ class LocalRolloutSide:
     return {}
 
   def close(self):
-    pass
+    if self.episodic:
+      self.stream.close()
 
 
 def local_sides(rt, workdir, resume, recorder):

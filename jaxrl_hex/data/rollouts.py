@@ -7,7 +7,10 @@ import numpy as np
 
 @dataclasses.dataclass
 class Rollout:
-  """One generated batch (numpy, host side). N rows = prompts x group_size."""
+  """One generated batch (numpy, host side). N rows = prompts x group_size. An episode of an
+  environment (rollout/episodes.py) is one row: its completion holds every token after its first
+  prompt, the model's turns (completion_mask: trained) and the observations between them
+  (context_mask: context only), and the episode fields count what happened in it."""
   prompt_tokens: np.ndarray  # [N, P] int32, left-padded
   prompt_valid: np.ndarray  # [N, P] bool
   completion: np.ndarray  # [N, C] int32, pad after EOS
@@ -17,6 +20,16 @@ class Rollout:
   group_ids: np.ndarray  # [N] int64, one id per prompt
   rewards: np.ndarray | None = None  # [N] fp32
   truncated: np.ndarray | None = None  # [N] bool, stopped by the token budget
+  context_mask: np.ndarray | None = None  # [N, C] bool: observation tokens between an episode's turns
+  turns: np.ndarray | None = None  # [N] int32: the model's turns in the episode
+  tool_calls: np.ndarray | None = None  # [N] int32
+  tool_errors: np.ndarray | None = None  # [N] int32: calls that returned an error observation
+  faults: np.ndarray | None = None  # [N] int32: 1 where the episode ended on a fault (env error, token limit)
+
+  @property
+  def completion_valid(self) -> np.ndarray:
+    """[N, C] bool: every real token after the prompt (the model's and the observations')."""
+    return self.completion_mask if self.context_mask is None else self.completion_mask | self.context_mask
 
   @property
   def num_tokens(self) -> int:
@@ -31,10 +44,11 @@ def bucket(n: int, multiple: int = 8) -> int:
   return -(-n // multiple) * multiple
 
 
-def encode_prompts(tokenizer, prompts: list[str]):
-  """Strings -> (token ids per prompt, BOS first; tokens [n, P] int32 left-padded to a multiple of
-  8; valid [n, P] bool). The one prompt layout: the engine's batches and SFT batches use it."""
-  ids = [[tokenizer.bos_id] + tokenizer.encode(p) for p in prompts]
+def encode_prompts(tokenizer, prompts: list):
+  """Strings (or token ids, taken as they are) -> (token ids per prompt, BOS first; tokens [n, P]
+  int32 left-padded to a multiple of 8; valid [n, P] bool). The one prompt layout: the engine's
+  batches and SFT batches use it."""
+  ids = [[tokenizer.bos_id] + tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
   p_len = bucket(max(map(len, ids)))
   tokens = np.full((len(ids), p_len), tokenizer.pad_id, np.int32)
   valid = np.zeros((len(ids), p_len), bool)

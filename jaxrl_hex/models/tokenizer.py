@@ -128,22 +128,38 @@ class HFTokenizer:
       ids = ids[:ids.index(self.eos_id)]
     return self._tok.decode(ids, skip_special_tokens=True)
 
-  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The chat template rendered as transformers renders it (same jinja settings and globals)."""
+  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+    """The chat template rendered as transformers renders it (same jinja settings and globals);
+    tools: function schemas (jaxrl_hex.tasks.tools.Tool.schema) for templates that list them."""
     if self.chat_template is None:
       raise UserError(f"tokenizer: {self.dir} has no chat template (tokenizer_config.json chat_template "
                       "or chat_template.jinja)")
-    return self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+    extra = {"tools": list(tools)} if tools else {}
+    return self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special,
+                                     **extra)
 
   def prompt(self, text: str, system: str | None = None) -> str:
     """A task prompt as the model expects it: a user turn of the chat template when there is one,
     minus a leading BOS (the engine adds bos_id); the text itself otherwise."""
     if self.chat_template is None:
       return text
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    out = self.apply_chat_template(messages)
+    return self.prompt_messages(([{
+        "role": "system",
+        "content": system
+    }] if system else []) + [{
+        "role": "user",
+        "content": text
+    }])
+
+  def prompt_messages(self, messages: list[dict], tools=None) -> str:
+    """Chat messages opened for the model's reply (the generation prompt), minus a leading BOS."""
+    out = self.apply_chat_template(messages, tools=tools)
     bos = self.special.get("bos_token")
     return out[len(bos):] if bos and out.startswith(bos) else out
+
+  def token_text(self, token_id: int) -> str:
+    """A token's text as the template writes it (special tokens included)."""
+    return self._tok.id_to_token(int(token_id)) or ""
 
 
 def _chat_template(template, jinja_file):

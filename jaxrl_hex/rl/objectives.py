@@ -102,7 +102,10 @@ class RLObjective:
     lay = lambda x: to_layout(x, slot, shape)
     metrics = {"reward_mean": b.rewards.mean(), "response_length_mean": lengths.mean()}
     rewards = self.shaped_rewards(b.rewards, lengths, mask.shape[1])
-    token_rewards = jax.nn.one_hot(lengths.astype(jnp.int32) - 1, mask.shape[1]) * rewards[:, None]
+    # the reward sits on the sequence's last trained token: an episode's turns are not a prefix of its
+    # completion (observations lie between them), so it is the last masked column, not column length - 1
+    last = mask.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=1)
+    token_rewards = jax.nn.one_hot(last, mask.shape[1]) * rewards[:, None]
     ref_logp = None
     if inp.ref_params is not None and a.kl_mode == "loss":
       ref_logp = logprobs_of(inp.ref_params)

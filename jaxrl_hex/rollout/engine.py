@@ -24,11 +24,23 @@ interrupt="recompute" weight switch. Slots then bound the sequences in flight an
 their tokens, so a long-tailed workload runs many more sequences in the memory of a few
 max-length rows.
 
+Multi-turn episodes are one row each: a request with hold=True keeps its sequence when a turn
+ends (Sample.session names it) and `extend(session, tokens)` appends context tokens (an
+environment's observation) and queues its next turn. Paged, a held sequence gives its slot back
+but keeps its blocks and the KV of its cached positions, so the next turn runs only the tokens
+after them (slots.extend) instead of prefilling the whole row; held blocks are the first to go
+when the pool runs dry (the oldest held first), and a weight switch frees them all (their KV is
+stale). A sequence without its KV is prefilled whole when admitted, as a preempted one is, which
+is all the ring layout (kv_page_size 0) ever does: KV reuse between turns needs
+rollout.kv_page_size > 0. reuse_kv=False makes a paged engine do the same (its held sequences
+keep their tokens, not their blocks): the baseline benchmarks/episodes.py measures reuse against.
+
 `generate` (prompts x group_size -> Rollout, the trainer's layout) runs on submit/poll.
 """
 import collections
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 import typing
@@ -57,7 +69,8 @@ class Request:
   stop: tuple = ()  # stop strings on top of the engine's
   id: typing.Any = None
   key: typing.Any = None  # PRNG key: sample j draws its token c with fold_in(fold_in(key, j), c); None: the
-  # engine's rng, by submission order
+  # engine's rng, by submission order. Turn k > 0 of a held sample draws with fold_in(fold_in(its key, k), c)
+  hold: bool = False  # keep each sample's sequence when this turn ends, to continue it (Engine.extend)
 
 
 @dataclasses.dataclass
@@ -71,6 +84,7 @@ class Sample:
   versions: np.ndarray  # [L] int32
   finish_reason: str  # "eos" | "stop" | "length"
   text: str = ""
+  session: typing.Any = None  # a held sequence's handle for Engine.extend / Engine.drop; None unless held
 
   @property
   def truncated(self) -> bool:
@@ -91,6 +105,11 @@ class _Seq:  # a slot's sequence in flight
   shard: int = 0  # paged: the data shard of its slot, whose blocks it holds
   blocks: list = dataclasses.field(default_factory=list)  # paged: its blocks, in position order
   admitted: int = 0  # admission order: the youngest are preempted first
+  hold: bool = False  # kept when its turn ends
+  session: int | None = None  # its id once held
+  turn: int = 0  # turns sampled before this one (the key of turn k: fold_in(base_key, k))
+  base_key: np.ndarray | None = None  # [K] uint32: turn 0's key
+  kept: int = 0  # paged, between turns: its blocks hold the KV of row positions [0, kept); 0: none (prefill whole)
 
   @property
   def row(self) -> list:
@@ -116,6 +135,11 @@ def _sample_keys(key, n: int):
 
 
 @jax.jit
+def _turn_key(key_data, turn):
+  return jax.random.fold_in(jax.random.wrap_key_data(key_data), turn)
+
+
+@jax.jit
 def _group_keys(rng, group_ids):
   return jax.vmap(lambda g: jax.random.fold_in(rng, g))(group_ids)
 
@@ -138,7 +162,7 @@ class Engine:
 
   def __init__(self, policy, pool, tokenizer, max_new_tokens: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *,
                slots=256, max_prompt_len=64, eos_ids=None, stop=(), interrupt="recompute", steps_per_sync=16,
-               memory_budget_gb=0.0, kv_page_size=0, kv_blocks=0, weights_source=None, cache_dtype=None):
+               memory_budget_gb=0.0, kv_page_size=0, kv_blocks=0, weights_source=None, cache_dtype=None, reuse_kv=True):
     self.policy, self.pool, self.tokenizer = policy, pool, tokenizer
     self.max_new_tokens, self.max_prompt_len = int(max_new_tokens), int(max_prompt_len)
     self.sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p))
@@ -156,6 +180,7 @@ class Engine:
     self.length = self.max_prompt_len + self.max_new_tokens
     self.layout = self._layout(int(kv_page_size), int(kv_blocks), pool.batch_ways)
     self.paged = bool(self.layout.page)
+    self.reuse_kv = bool(reuse_kv)  # paged: a held sequence keeps its KV when its turn ends (False: prefilled whole)
     self.blocks = BlockPool(self.layout.blocks, self.layout.shards) if self.paged else None
     self.cache_dtype = jnp.dtype(cache_dtype or policy.cfg.dtype)
     self.param_shardings = pool.shardings_for(policy.logical_axes(), policy.shapes())
@@ -167,6 +192,8 @@ class Engine:
     self.decode_seconds = 0.0  # wall time of those steps' programs, their outputs on the host (no prefill)
     self.tokens_generated = 0
     self.preemptions = 0  # paged: sequences whose blocks were taken back mid-generation
+    self.prefill_tokens = 0  # row tokens run by prefill and extend programs (padding excluded)
+    self.held_evictions = 0  # paged: held sequences whose KV was freed for others (prefilled whole on extend)
     self.rng = jax.random.key(0)  # keys of requests submitted without one
     self._submitted = 0
     self._fns = {}
@@ -174,6 +201,8 @@ class Engine:
     self._busy = False  # poll() is running (it alone touches the device state)
     self._incoming = None  # (version, params) waiting for a step boundary
     self._queue = collections.deque()
+    self._held = {}  # session -> _Seq waiting for extend(), the oldest held first
+    self._sessions = itertools.count()
     self._seqs = [None] * self.num_slots  # slot -> _Seq in flight
     self._live = np.zeros(self.num_slots, bool)
     self._finished = []
@@ -239,6 +268,8 @@ class Engine:
     version, params = self._incoming
     self._incoming = None
     self.version, self.params = version, params
+    for seq in self._kept_seqs():  # KV of the old weights: held sequences are prefilled whole on extend
+      self._free_kv(seq)
     if self._live.any() and self.paged:  # interrupt="recompute": in-flight KV from the new weights
       self._prefill([[self._seqs[slot]] for slot in np.flatnonzero(self._live)])
     elif self._live.any():
@@ -270,7 +301,53 @@ class Engine:
       key = r.key if r.key is not None else jax.random.fold_in(self.rng, self._submitted)
       self._submitted += 1
       keys = np.asarray(jax.random.key_data(_sample_keys(key, r.n)))  # [n, K]
-      self._queue.append([_Seq(r, j, ids, max(budget, 1), keys[j]) for j in range(r.n)])
+      self._queue.append([_Seq(r, j, ids, max(budget, 1), keys[j], hold=r.hold, base_key=keys[j]) for j in range(r.n)])
+
+  def extend(self, session, tokens: list[int], max_tokens: int | None = None, id=None, stop=(), hold=True):
+    """Continues a held sequence: appends `tokens` (context, not sampled: no logprobs) to its row
+    and queues (FIFO, as submit does) its next turn of up to max_tokens new tokens (None: as many
+    as a fresh request, max_new_tokens, or what is left of the row). A row never outgrows
+    max_prompt_len + max_new_tokens. Its sample comes back from poll() as Sample(request_id=id,
+    index=0, prompt_tokens=the row before this turn, tokens of this turn only); with hold it is
+    held again under the same session. Paged (and reuse_kv), the turn runs only the tokens after
+    the KV the sequence kept; otherwise its whole row is prefilled again."""
+    with self._lock:
+      seq = self._held.get(session)
+      if seq is None:
+        raise UserError(f"engine.extend: session {session!r} is not held (unknown, dropped, or its turn is still "
+                        "queued or decoding); extend the Sample.session of a finished turn submitted with hold=True")
+      row = seq.row + [int(t) for t in tokens]
+      room = self.length - len(row)
+      if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"engine.extend: max_tokens={max_tokens}; a turn samples at least one token")
+      budget = min(room, self.max_new_tokens) if max_tokens is None else min(int(max_tokens), self.max_new_tokens)
+      if budget < 1 or budget > room:
+        raise UserError(f"engine.extend: a row of {len(row)} tokens + {max(budget, 1)} new ones does not fit "
+                        f"rollout.max_prompt_len + rollout.max_new_tokens = {self.length} tokens; raise them (the KV "
+                        "cache grows with them), ask for fewer tokens, or end the episode")
+      del self._held[session]
+      seq.request = Request(list(tokens), max_tokens=budget, stop=tuple(stop), id=id, hold=hold)
+      seq.prompt_tokens, seq.tokens, seq.logprobs, seq.versions, seq.checked = row, [], [], [], 0
+      seq.max_tokens, seq.hold, seq.turn = budget, hold, seq.turn + 1
+      seq.key = np.asarray(jax.random.key_data(_turn_key(seq.base_key, seq.turn)))
+      self._queue.append([seq])
+
+  def drop(self, session):
+    """Ends a session: a held sequence's blocks are freed now; one whose turn is queued or decoding
+    is freed when it ends (its sample then has session None). Unknown or dropped: nothing."""
+    with self._lock:
+      seq = self._held.pop(session, None)
+      if seq is not None:
+        self._free_kv(seq)
+        return
+      for seq in itertools.chain((s for entry in self._queue for s in entry), self._seqs):
+        if seq is not None and seq.session is not None and seq.session == session:
+          seq.hold = False
+
+  @property
+  def held(self) -> int:
+    """Sequences held between turns (waiting for extend)."""
+    return len(self._held)
 
   @property
   def queued(self) -> int:
@@ -309,8 +386,9 @@ class Engine:
     return done
 
   def _admit(self):
-    """Takes queued entries (a request's samples, or a preempted sequence) into free slots, FIFO,
-    and prefills them in one call."""
+    """Takes queued entries (a request's samples, a preempted or held sequence) into free slots,
+    FIFO: one prefill call for the rows cached whole, one extend call for the held sequences that
+    kept their KV."""
     free = [i for i in range(self.num_slots) if self._seqs[i] is None]
     entries = []
     while self._queue:
@@ -328,8 +406,11 @@ class Engine:
         self._seqs[slot] = seq
         seq.admitted, self._admissions = self._admissions, self._admissions + 1
       entries.append(entry)
-    if entries:
-      self._prefill(entries)
+    whole = [entry for entry in entries if not entry[0].kept]
+    if whole:
+      self._prefill(whole)
+    if len(whole) < len(entries):
+      self._extend([entry[0] for entry in entries if entry[0].kept])
 
   def _slot_shard(self, slot: int) -> int:
     return slot // (self.num_slots // self.layout.shards)
@@ -342,26 +423,27 @@ class Engine:
 
   def _place_paged(self, entry, free, idle: bool):
     """Slots and blocks for the samples of an entry -> their slots (blocks now held), or None
-    when they do not all fit; an idle engine places as many as fit. Full blocks of the cached
-    row are shared by the samples on one shard; each sample holds its own beyond them."""
-    shared = (len(entry[0].row) - 1) // self.layout.page
-    private = self._blocks_needed(entry[0]) - shared
+    when they do not all fit, even with the KV of held sequences freed; an idle engine places as
+    many as fit. Full blocks of the cached row are shared by the samples on one shard; each
+    sample holds its own beyond them. A held sequence that kept its KV stays on its shard."""
     by_shard = collections.defaultdict(list)
     for slot in free:
       by_shard[self._slot_shard(slot)].append(slot)
-    # blocks kept back for the next call's growth of the sequences in flight, so an admission does
-    # not preempt them at the next hand-back (a preemption recomputes a whole sequence)
-    growth = -(-self.steps_per_sync // self.layout.page)
-    held = lambda d: sum(seq is not None and self._slot_shard(s) == d for s, seq in enumerate(self._seqs))
-    room = lambda d: self.blocks.free(d) - growth * held(d)
-    placed = []  # (shard, its slots)
-    left = len(entry)
-    for d in sorted(by_shard, key=lambda d: (-room(d), d)):
-      k = min(left, len(by_shard[d]), max(0, (room(d) - shared) // private))
-      if k:
-        placed.append((d, by_shard[d][:k]))
-        left -= k
-      if not left:
+    if entry[0].kept:
+      return self._place_kept(entry[0], by_shard[entry[0].shard])
+    shared = (len(entry[0].row) - 1) // self.layout.page
+    private = self._blocks_needed(entry[0]) - shared
+    while True:
+      placed = []  # (shard, its slots)
+      left = len(entry)
+      for d in sorted(by_shard, key=lambda d: (-self._room(d), d)):
+        k = min(left, len(by_shard[d]), max(0, (self._room(d) - shared) // private))
+        if k:
+          placed.append((d, by_shard[d][:k]))
+          left -= k
+        if not left:
+          break
+      if not left or not self._evict(set(by_shard)):
         break
     if left and not (idle and placed):
       return None
@@ -377,6 +459,49 @@ class Engine:
         slots.append(slot)
     return slots
 
+  def _place_kept(self, seq, free) -> list | None:
+    """A free slot of a held sequence's shard (`free`) and the blocks its turn needs beyond those
+    it kept -> [slot], or None: it waits for a slot of its shard, where its KV is."""
+    need = max(0, self._blocks_needed(seq) - len(seq.blocks))
+    while free and self._room(seq.shard) < need:
+      if not self._evict({seq.shard}, spare=seq):
+        return None
+    if not free:
+      return None
+    seq.blocks += self.blocks.take(seq.shard, need)
+    self._table[free[0], :len(seq.blocks)] = seq.blocks
+    return free[:1]
+
+  def _room(self, shard: int) -> int:
+    """Free blocks of a shard less those kept back for the next call's growth of the sequences in
+    flight, so an admission does not preempt them at the next hand-back (a preemption recomputes a
+    whole sequence)."""
+    growth = -(-self.steps_per_sync // self.layout.page)
+    return self.blocks.free(shard) - growth * sum(seq is not None and self._slot_shard(s) == shard
+                                                  for s, seq in enumerate(self._seqs))
+
+  def _kept_seqs(self):
+    """Sequences out of a slot whose blocks hold KV, in the order they give it up: the held ones,
+    oldest first, then the queued ones from the back of the queue."""
+    queued = (entry[0] for entry in reversed(self._queue))
+    return [seq for seq in itertools.chain(self._held.values(), queued) if seq.kept]
+
+  def _evict(self, shards, spare=None) -> bool:
+    """Frees the KV of the first of _kept_seqs on one of these shards (but `spare`) -> whether
+    there was one."""
+    seq = next((s for s in self._kept_seqs() if s.shard in shards and s is not spare), None)
+    if seq is None:
+      return False
+    self._free_kv(seq)
+    self.held_evictions += 1
+    return True
+
+  def _free_kv(self, seq):
+    """Lets go of a sequence's blocks (paged): it is prefilled whole when admitted."""
+    if self.paged:
+      self.blocks.release(seq.shard, seq.blocks)
+    seq.blocks, seq.kept = [], 0
+
   def _reserve(self):
     """Before a decode call: every live slot's blocks for the positions the call may write; where
     a shard runs dry its youngest sequences are preempted (requeued first, KV rebuilt later)."""
@@ -385,6 +510,8 @@ class Engine:
                     key=lambda s: self._seqs[s].admitted)
       need = {s: max(0, self._blocks_needed(self._seqs[s]) - len(self._seqs[s].blocks)) for s in live}
       while sum(need.values()) > self.blocks.free(d):
+        if self._evict({d}):  # held KV goes before a sequence in flight
+          continue
         victim = live.pop()
         del need[victim]
         self._preempt(victim)
@@ -398,20 +525,22 @@ class Engine:
     self._queue.appendleft([seq])
     self.preemptions += 1
 
-  def _release(self, slot: int):
-    """Frees a slot (and a paged slot's blocks) -> its sequence."""
+  def _release(self, slot: int, keep_kv=False):
+    """Frees a slot and, unless keep_kv, a paged slot's blocks -> its sequence."""
     seq = self._seqs[slot]
     self._seqs[slot] = None
     self._live[slot] = False
     if self.paged:
-      self.blocks.release(seq.shard, seq.blocks)
-      seq.blocks = []
       self._table[slot] = self.layout.blocks
+    if keep_kv and self.paged:  # every row position but the pending last one is cached
+      seq.kept = len(seq.row) - 1  # (past a stop string's cut too: a position's KV depends on the tokens up to it)
+    else:
+      self._free_kv(seq)
     return seq
 
   def _row_bucket(self, n: int) -> int:
-    """Prefill width of rows of up to n tokens: prompts, or a paged sequence's whole row."""
-    return min(pow2_bucket(n, 16), pow2_bucket(self.length if self.paged else self.max_prompt_len, 16))
+    """Prefill width of rows of up to n tokens: prompts, a sequence's whole row, or a held one's tail."""
+    return min(pow2_bucket(n, 16), pow2_bucket(self.length, 16))
 
   def _prefill(self, entries):
     """One prefill call: each entry's row (shared by its samples) cached into their slots."""
@@ -431,15 +560,46 @@ class Engine:
       slot_ids[a], src[a], max_new[a], count[a], keys[a] = slot_of[id(seq)], r, seq.max_tokens, len(seq.tokens), seq.key
     if self._state is None:
       self._state = jax.jit(self._init_state, out_shardings=self._state_shardings)()
+    self.prefill_tokens += int(lengths[:len(rows)].sum())
     if self.paged:
       fill = self._writes(n_b, p_b, m_b, assigned, lengths)
     else:
-      if not self._live.any():  # rewind the ring: prompts end at column max_prompt_len - 1, so decode
-        self._t = self.max_prompt_len - 1  # reads only the columns written so far until the ring wraps
+      # rewind the ring: prompts end at column max_prompt_len - 1 (a longer row later), so decode
+      # reads only the columns written so far until the ring wraps. A row longer than the columns
+      # before t wraps to the ring's end: the ring counts as wrapped (t + T is the same column).
+      cached = int(lengths.max()) - 1
+      if not self._live.any():
+        self._t = max(self.max_prompt_len - 1, cached)
+      elif cached > self._t:
+        self._t += self.length
       fill = np.int32(self._t)
     self._state = self._run(("prefill", n_b, p_b, m_b), self._prefill_fn(), self.params, self._state, tokens, lengths,
                             slot_ids, src, max_new, keys, count, fill)
     self._live[slot_ids[:len(assigned)]] = True
+
+  def _extend(self, seqs):
+    """One extend call: each held sequence's row after the positions it kept (the last sampled
+    token, then the new context) run into its blocks; rows laid out R per data shard."""
+    slot_of = {id(seq): slot for slot, seq in enumerate(self._seqs) if seq is not None}
+    by_shard = collections.defaultdict(list)
+    for seq in seqs:
+      by_shard[seq.shard].append(seq)
+    r = next(b for b in self._row_buckets() if b >= max(map(len, by_shard.values())))
+    n, t_b = r * self.layout.shards, self._row_bucket(max(len(seq.row) - seq.kept for seq in seqs))
+    table = np.full((n, self.layout.table_width), self.layout.blocks, np.int32)
+    tokens = np.full((n, t_b), self.tokenizer.pad_id, np.int32)
+    lengths, start, max_new = np.zeros(n, np.int32), np.zeros(n, np.int32), np.ones(n, np.int32)
+    slot_ids, keys = np.full(n, self.num_slots, np.int32), np.zeros((n, S.key_words()), np.uint32)
+    for d, group in by_shard.items():
+      for a, seq in enumerate(group, d * r):
+        tail, slot = seq.row[seq.kept:], slot_of[id(seq)]
+        table[a], tokens[a, :len(tail)], lengths[a], start[a] = self._table[slot], tail, len(tail), seq.kept
+        slot_ids[a], max_new[a], keys[a] = slot, seq.max_tokens, seq.key
+        seq.kept = 0  # in a slot again
+    self.prefill_tokens += int(lengths.sum())
+    self._state = self._run(("extend", n, t_b), functools.partial(S.extend, self.policy), self.params, self._state,
+                            table, tokens, lengths, start, slot_ids, max_new, keys)
+    self._live[slot_ids[lengths > 0]] = True
 
   def _writes(self, n_b, p_b, m_b, assigned, lengths) -> S.Writes:
     """The block copies of a paged prefill: each held block of the cached rows once (a block
@@ -550,11 +710,15 @@ class Engine:
     return None
 
   def _finish(self, slot, reason):
-    seq = self._release(slot)
+    seq = self._release(slot, keep_kv=self._seqs[slot].hold and self.reuse_kv)
+    if seq.hold:
+      seq.session = next(self._sessions) if seq.session is None else seq.session
+      self._held[seq.session] = seq
     tokens = np.asarray(seq.tokens, np.int32)
     self._finished.append(
         Sample(seq.request.id, seq.index, seq.prompt_tokens, tokens, np.asarray(seq.logprobs, np.float32),
-               np.asarray(seq.versions, np.int32), reason, self.tokenizer.decode(tokens)))
+               np.asarray(seq.versions, np.int32), reason, self.tokenizer.decode(tokens),
+               seq.session if seq.hold else None))
 
   # ---- the batch interface the orchestrator uses ------------------------------------------------
   def encode_prompts(self, prompts: list[str], group_size: int):
@@ -607,13 +771,14 @@ class Engine:
     return decode_completions(self.tokenizer, rollout)
 
   # ---- compiled programs ----------------------------------------------------------------------
-  def warmup(self, prompt_lengths, group_size: int) -> float:
+  def warmup(self, prompt_lengths, group_size: int, turn_lengths=()) -> float:
     """Compiles now, before any weights arrive, every program a stream of group_size-sample
     requests with prompts of these token lengths runs: each prefill bucket of up to
-    num_slots // group_size prompts at a time, each decode span, the ring's recompute. A replica
-    that compiled mid-run would stall its share of the fleet for seconds. A paged engine's
-    prefills of whole sequences (preempted ones readmitted, a weight switch) have too many
-    buckets to compile ahead; they compile when first run. -> seconds spent."""
+    num_slots // group_size prompts at a time, each decode span, the ring's recompute, and with
+    turn_lengths (the context tokens of extend() calls) a paged engine's extend programs. A
+    replica that compiled mid-run would stall its share of the fleet for seconds. A paged
+    engine's prefills of whole sequences (preempted or evicted ones readmitted, a weight switch)
+    have too many buckets to compile ahead; they compile when first run. -> seconds spent."""
     t0 = time.perf_counter()
     params, state = self._abstract_state()
     i32 = lambda *shape: np.zeros(shape, np.int32)
@@ -638,6 +803,12 @@ class Engine:
                       params, state, *self._decode_args(), *rows, host_outputs=True)
     if self.interrupt == "recompute" and not self.paged:
       self._compile(("recompute",), functools.partial(S.recompute, self.policy), params, state)
+    reuse = self.paged and self.reuse_kv  # else a turn is a prefill of its whole row
+    t_bs = sorted({self._row_bucket(n + 1) for n in turn_lengths}) if reuse else []  # + the pending token
+    for n, t_b in itertools.product([r * self.layout.shards for r in buckets], t_bs):
+      self._compile(("extend", n, t_b), functools.partial(S.extend, self.policy), params, state,
+                    i32(n, self.layout.table_width), i32(n, t_b), i32(n), i32(n), i32(n), i32(n),
+                    np.zeros((n, S.key_words()), np.uint32))
     return time.perf_counter() - t0
 
   def decode_program(self, span: int | None = None):

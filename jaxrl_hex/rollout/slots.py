@@ -26,6 +26,9 @@ state keeps none.
 A slot feeds `pending` (first the last prompt token, then each sampled token) at position
 `pos`; its KV is not in the cache yet. So a prefill only has to cache the tokens before it and
 needs no logits, and the first decode step of a fresh slot samples its first completion token.
+A paged sequence whose blocks still hold the KV of its first positions (a held multi-turn
+sequence, rollout.engine) is taken into a slot by `extend`, which runs only the tokens after
+them.
 """
 import dataclasses
 import typing
@@ -279,6 +282,32 @@ def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, 
                              pos=per_slot(state.pos, cached_len), count=per_slot(state.count, scatter(count)),
                              max_new=per_slot(state.max_new,
                                               scatter(max_new)), key=state.key.at[slot_ids].set(keys, mode="drop"))
+
+
+def extend(policy, params, state: DecodeState, table, tokens, lengths, start, slot_ids, max_new, keys) -> DecodeState:
+  """Caches the uncached tail of paged sequences whose blocks already hold the KV of their
+  positions [0, start) (a held sequence's next turn), attending to those blocks; nothing else
+  of the row runs again.
+
+  Row a (n = D R rows, R of each data shard in order, as PagedIndex splits them) is the tail
+  tokens[a, :lengths[a]] [n, Tb] right-padded, at positions start[a] + t, through the blocks its
+  table [n, M] names (the host's table row of its slot). Its last token becomes slot slot_ids[a]'s
+  pending token with a budget of max_new[a] new tokens and the key keys[a] [K]. Padding rows have
+  length 0 and slot_ids S (dropped). Padding columns write keys and values at positions after the
+  pending one, which no step reads before writing it again.
+  """
+  n, t_len = tokens.shape
+  width = table.shape[1] * state.kv.page
+  positions = start[:, None] + jnp.arange(t_len)  # [n, Tb]
+  key_positions = jnp.broadcast_to(jnp.arange(width), (n, width))
+  mask = key_positions[:, None, :] <= positions[:, :, None]  # [n, Tb, M P]: cached, then causal
+  index = PagedIndex(table, start, lengths > 0, state.kv.shards)
+  _, cache = policy.apply(params, tokens, positions, mask, state.cache, index, key_positions=key_positions)
+  last = jnp.maximum(lengths - 1, 0)
+  put = lambda dest, values: dest.at[slot_ids].set(values, mode="drop")
+  return dataclasses.replace(state, cache=cache, pending=put(state.pending, tokens[jnp.arange(n), last]),
+                             pos=put(state.pos, start + last), count=put(state.count, jnp.zeros_like(start)),
+                             max_new=put(state.max_new, max_new), key=put(state.key, keys))
 
 
 PER_SLOT = ("pending", "pos", "count", "max_new", "key")  # DecodeState's [S, ...] fields

@@ -1,53 +1,23 @@
 """Tasks: prompt/answer records, a reward, and the tokenizer that reads them.
 
 A user task is a Python file with `make_task(config) -> Task`, named on the command line as
-`--config.task=path/to/file.py:make_task`; built-in tasks are registered by name below.
+`--config.task=path/to/file.py:make_task`; built-in tasks are registered by name below. A
+multi-turn task (tools, an environment that answers) returns an EnvTask instead
+(jaxrl_hex/tasks/environment.py), named the same way.
 """
-import dataclasses
-import typing
-
-from jaxrl_hex.errors import UserError
-from jaxrl_hex.models.tokenizer import CharTokenizer
 from jaxrl_hex.specs import load_object
+from jaxrl_hex.tasks.agent import AgentTask, agent_demo, agent_prompt
+from jaxrl_hex.tasks.environment import EnvTask, demo_tokens, first_prompt
+from jaxrl_hex.tasks.task import Task, TaskError
 
+__all__ = ["AgentTask", "EnvTask", "Task", "TaskError", "load_task"]
 
-class TaskError(UserError):
-  pass
-
-
-@dataclasses.dataclass
-class Task:
-  """train / eval: sequences of dicts with at least 'prompt' and 'answer' (strings): lists, or
-  views that read each record on demand (jaxrl_hex.data.files.Records), which the prompt stream
-  reads by index.
-
-  reward(prompt, completion, answer) -> float, where 1.0 is a fully correct completion;
-  eval accuracy is the mean reward of greedy completions on `eval`. tokenizer defaults to a
-  character tokenizer over every character in the records.
-  """
-  name: str
-  train: typing.Sequence[dict]
-  eval: typing.Sequence[dict]
-  reward: typing.Callable[[str, str, str], float]
-  tokenizer: typing.Any = None
-
-  def __post_init__(self):
-    for split in ("train", "eval"):
-      records = getattr(self, split)
-      if not records:
-        raise TaskError(f"task {self.name!r}: the {split} split is empty; give it records with 'prompt' and 'answer'")
-      missing = [k for k in ("prompt", "answer") if k not in records[0]]
-      if missing:
-        raise TaskError(f"task {self.name!r}: {split} records lack {missing}; each record needs 'prompt' and 'answer'")
-    if self.tokenizer is None:  # one pass over the records, holding only the characters seen
-      chars = set()
-      for split in (self.train, self.eval):
-        for r in split:
-          chars.update(r["prompt"], r["answer"])
-      self.tokenizer = CharTokenizer("".join(chars))
-
-
-BUILTIN = {"arith": "jaxrl_hex.tasks.arithmetic:make_task", "files": "jaxrl_hex.tasks.files:make_task"}
+BUILTIN = {
+    "arith": "jaxrl_hex.tasks.arithmetic:make_task",
+    "files": "jaxrl_hex.tasks.files:make_task",
+    "calculator": "jaxrl_hex.tasks.calculator:make_env",
+    "guess": "jaxrl_hex.tasks.guess:make_env",
+}
 
 
 def load_task(spec: str, config, check_prompts: bool = False) -> Task:
@@ -57,11 +27,35 @@ def load_task(spec: str, config, check_prompts: bool = False) -> Task:
   if ":" not in spec:
     raise TaskError(f"task: {spec!r} is neither a built-in task {sorted(BUILTIN)} nor 'path/to/file.py:make_task'")
   task = load_object(spec, "task")(config)
-  if not isinstance(task, Task):
-    raise TaskError(f"task: {spec} returned {type(task).__name__}, not jaxrl_hex.tasks.Task")
+  if not isinstance(task, (Task, EnvTask, AgentTask)):
+    raise TaskError(f"task: {spec} returned {type(task).__name__}, not jaxrl_hex.tasks.Task, EnvTask or AgentTask")
   if check_prompts:
     check_prompt_lengths(task, config.rollout.max_prompt_len, max(config.train.eval_size, config.sft.eval_size))
   return task
+
+
+def is_episodic(task) -> bool:
+  """Episodes, scored as they run (an environment's, or an agent's through the OpenAI endpoint),
+  instead of one completion per prompt scored by a reward function."""
+  return isinstance(task, (EnvTask, AgentTask))
+
+
+def episode_prompt(task, record) -> list[int]:
+  """An episodic task's first prompt (token ids, BOS first) for a record."""
+  return agent_prompt(task, record) if isinstance(task, AgentTask) else first_prompt(task, record)
+
+
+def demonstration(task, record) -> tuple:
+  """An episodic task's demonstration of a record -> (first prompt ids, the tokens after it, which
+  of them are the model's)."""
+  return agent_demo(task, record) if isinstance(task, AgentTask) else demo_tokens(task, record)
+
+
+def prompt_lengths(task, records):
+  """Token counts of the records' first prompts, as prompt_length counts them."""
+  if isinstance(task, Task):
+    return (prompt_length(task.tokenizer, r["prompt"]) for r in records)
+  return (len(episode_prompt(task, r)) for r in records)
 
 
 def prompt_length(tokenizer, prompt) -> int:
@@ -77,8 +71,7 @@ def check_prompt_lengths(task: Task, max_prompt_len: int, eval_size: int):
   too_long, longest = [], 0
   for split, records in (("train", task.train), ("eval", task.eval[:eval_size])):
     over = 0  # counted as the records stream by: a file-backed split is never a list here
-    for r in records:
-      n = prompt_length(task.tokenizer, r["prompt"])
+    for n in prompt_lengths(task, records):
       if n > max_prompt_len:
         over, longest = over + 1, max(longest, n)
     if over:

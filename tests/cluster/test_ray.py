@@ -421,3 +421,35 @@ def test_lora_on_ray_sends_the_base_once_and_then_adapters_only(ray_session, war
     train.close()
     rollout.close()
     recorder.close()
+
+
+def test_the_tool_task_trains_on_ray_with_tools_in_the_rollout_process(ray_session, calculator_warm, tmp_path):
+  """The calculator's episodes on the Ray backend: the engine, the episode threads and the forked
+  tool workers live in the rollout actor's process; the batches come back whole, each once."""
+  from support_agentic import calculator_config
+
+  from jaxrl_hex.metrics import Recorder
+  from jaxrl_hex.orchestrator import Orchestrator
+  cfg = calculator_config(
+      **{
+          "init_from": calculator_warm,
+          "mesh_file": RAY_MESH,
+          "cluster.backend": "ray",
+          "sync.method": "direct",
+          "train.steps": 2
+      })
+  workdir = str(tmp_path / "calc")
+  rt = build_runtime(cfg)
+  train, rollout = RayTrainSide(rt, workdir, resume=False), RayRolloutSide(rt, workdir)
+  recorder = Recorder(workdir)
+  try:
+    Orchestrator(rt, train, rollout, recorder).run()
+  finally:
+    train.close()
+    rollout.close()
+    recorder.close()
+  rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") == "train" and "loss" in r]
+  assert [r["step"] for r in rows] == [1, 2] and sorted(r["batch"] for r in rows) == [0, 1]
+  for r in rows:
+    assert len(r["prompt_ids"]) == 8 and r["episode_tool_calls"] > 0.5 and r["episode_turns"] > 1.5
+    assert r["advantage_abs_mean"] > 0

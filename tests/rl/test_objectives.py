@@ -105,6 +105,33 @@ def test_kl_as_reward_penalty_enters_reinforce_pp_returns(pools):
   np.testing.assert_allclose(metrics["kl"], kl[loss_mask].mean(), rtol=1e-5)
 
 
+def test_an_episode_reward_reaches_every_turn_when_observations_lie_between_them(pools):
+  """The loss mask of an episode has gaps (observations): the reward still lands on its last
+  trained token, so GRPO gives every model token of the episode its group-normalised reward."""
+  cfg = load_config()
+  policy = Policy.build(model_config(**cfg.model))
+  params = policy.init(0)
+  tokens = np.random.default_rng(0).integers(1, 14, (4, 12)).astype(np.int32)
+  valid = np.ones((4, 12), bool)
+  loss_mask = np.zeros((4, 8), bool)  # two turns with an observation between them, then padding
+  loss_mask[:, [0, 1, 4, 5]] = True
+  valid[:, 4 + 6:] = False
+  loss_mask[:, 6:] = False
+  rewards = np.array([1.0, 0.0, 1.0, 1.0], np.float32)
+  batch = TrainBatch(tokens=tokens, valid=valid, loss_mask=loss_mask, rewards=rewards, behav_logp=np.zeros(
+      (4, 8), np.float32), group_ids=np.array([0, 0, 1, 1], np.int32))
+  lay = packing.plan(tokens, valid, loss_mask)
+  rows = Rows(*(jnp.asarray(x) for x in (lay.tokens, lay.positions, lay.segments, lay.seq)))
+  objective = make_rl_loss(cfg.algo, 1.0)
+  data, metrics = jax.jit(
+      lambda p, b: objective.start(policy, None, StartInputs(p, rows, b, lay.slot, lay.minibatch_of)))(params, batch)
+  adv = np.asarray(from_layout(data.advantages, lay.slot))
+  np.testing.assert_allclose(adv[0][loss_mask[0]], 1.0, rtol=1e-4)  # group 0: rewards 1, 0 -> +1, -1
+  np.testing.assert_allclose(adv[1][loss_mask[1]], -1.0, rtol=1e-4)
+  assert (adv[2:] == 0).all() and (adv[~loss_mask] == 0).all()  # group 1 has no spread; observations none
+  np.testing.assert_allclose(metrics["reward_mean"], 0.75)
+
+
 def _rollout(rewards, group_ids, p_len):
   n = len(rewards)
   return Rollout(np.full((n, p_len), 3, np.int32), np.ones((n, p_len), bool), np.zeros((n, 2), np.int32),

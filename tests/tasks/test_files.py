@@ -3,6 +3,7 @@ one-line errors, and a Parquet and a JSONL task that train and resume exactly.""
 import json
 import os
 import random
+import shutil
 
 import ml_collections
 import pyarrow as pa
@@ -150,26 +151,30 @@ def _train(workdir, *flags):
 
 
 def test_a_parquet_and_a_jsonl_task_train_and_resume_exactly(tmp_path, warm_workdir):
-  """The same table as Parquet and as JSONL, each trained 2 steps then resumed to 4: every step
-  draws the prompt stream's next batch (the resumed ones too), and both runs train alike."""
+  """The same table as Parquet and as JSONL, each trained 6 steps, and the JSONL run resumed from its
+  checkpoint 3: every step draws the prompt stream's next batch (the resumed ones too), and all three
+  train alike."""
   parquet, jsonl = _write(tmp_path, _sums())
-  run = [  # test_cli's resumed runs: the same programs, compiled once a session
+  run = [  # 6 steps (the lr schedule, compiled into the update) as conftest's resumed_run: its programs
       *(f"--config.{k}={v}" for k, v in SMALL.items()), f"--config.init_from={warm_workdir}",
-      "--config.train.max_staleness=0", "--config.train.eval_every=100", "--config.train.checkpoint_every=2"
+      "--config.train.max_staleness=0", "--config.train.eval_every=100", "--config.train.checkpoint_every=3",
+      "--config.train.steps=6"
   ]
   runs = {}
   for name, path in (("parquet", parquet), ("jsonl", jsonl)):
     config = tmp_path / f"{name}_config.py"
     config.write_text(CONFIG.format(arith=os.path.join(ROOT, "configs", "arith_grpo.py"), train=path))
-    workdir = tmp_path / name
-    _train(workdir, f"--config={config}", *run, "--config.train.steps=2")
-    runs[name] = _train(workdir, "--resume", "--config.train.steps=4")
-    assert sorted(runs[name]) == [0, 1, 2, 3, 4] and runs[name][3]["resumed_from"] == 2, name
+    runs[name] = _train(tmp_path / name, f"--config={config}", *run)
+  shutil.copytree(tmp_path / "jsonl", tmp_path / "resumed")
+  runs["resumed"] = _train(tmp_path / "resumed", "--resume", "--step=3")
+  assert sorted(runs["resumed"]) == list(range(7)) and runs["resumed"][4]["resumed_from"] == 3
   cfg = load_config(str(config))
   stream = PromptStream(load_task(cfg.task, cfg).train, SMALL["rollout.prompts_per_step"], seed=cfg.seed)
-  batches = [sorted(r["index"] for r in stream.next()[0]) for _ in range(4)]
-  for step in (1, 2, 3, 4):
-    got, want = runs["jsonl"][step], runs["parquet"][step]
-    assert got["prompt_ids"] == want["prompt_ids"] == batches[step - 1], step
-    assert got["reward_mean"] == want["reward_mean"] and got["loss"] == pytest.approx(want["loss"], abs=1e-6), step
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), step
+  batches = [sorted(r["index"] for r in stream.next()[0]) for _ in range(6)]
+  for step in range(1, 7):
+    for name in ("jsonl", "resumed"):
+      got, want = runs[name][step], runs["parquet"][step]
+      assert got["prompt_ids"] == want["prompt_ids"] == batches[step - 1], (name, step)
+      assert got["reward_mean"] == want["reward_mean"], (name, step)
+      assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (name, step)
+      assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (name, step)
