@@ -66,10 +66,7 @@ def render(summary: dict) -> str:
 
 
 def rewrite(text: str, summary: dict) -> str:
-  head, found, rest = text.partition(BEGIN)
-  if not found or END not in rest:
-    raise SystemExit(f"{README} has no `{BEGIN}` ... `{END}` block to rewrite")
-  return head + render(summary) + rest.split(END, 1)[1]
+  return _gen_demo().replace_block(text, BEGIN, END, render(summary))
 
 
 def main(argv=None):
@@ -88,14 +85,7 @@ def main(argv=None):
   for key, workdir in (("agent", args.agent_workdir), ("ray", args.ray_workdir)):
     if workdir:
       summary[key] = figures(workdir)
-  with open(SUMMARY, "w") as f:
-    json.dump(summary, f, indent=2)
-    f.write("\n")
-  with open(README) as f:
-    text = rewrite(f.read(), summary)
-  with open(README, "w") as f:
-    f.write(text)
-  print(f"wrote {SUMMARY} and the table in {README}")
+  _gen_demo().save(summary, SUMMARY, rewrite)
 
 
 if __name__ == "__main__":

@@ -82,13 +82,30 @@ def render_lora(demo: dict) -> str:
                    ["", LORA_END])
 
 
+def replace_block(text: str, begin: str, end: str, table: str) -> str:
+  """README text with the block from `begin` to `end` (markers included) replaced by `table`."""
+  head, found, rest = text.partition(begin)
+  if not found or end not in rest:
+    raise SystemExit(f"{README} has no `{begin}` ... `{end}` block to rewrite")
+  return head + table + rest.split(end, 1)[1]
+
+
 def rewrite(text: str, demo: dict) -> str:
   for begin, end, table in ((BEGIN, END, render(demo)), (LORA_BEGIN, LORA_END, render_lora(demo))):
-    head, found, rest = text.partition(begin)
-    if not found or end not in rest:
-      raise SystemExit(f"{README} has no `{begin}` ... `{end}` block to rewrite")
-    text = head + table + rest.split(end, 1)[1]
+    text = replace_block(text, begin, end, table)
   return text
+
+
+def save(summary: dict, path: str, rewrite_readme):
+  """summary as JSON at `path` (committed), and README.md rewritten by rewrite_readme(text, summary)."""
+  with open(path, "w") as f:
+    json.dump(summary, f, indent=2)
+    f.write("\n")
+  with open(README) as f:
+    text = rewrite_readme(f.read(), summary)
+  with open(README, "w") as f:
+    f.write(text)
+  print(f"wrote {path} and the table in {README}")
 
 
 def trained_params(workdir: str) -> tuple:
@@ -114,14 +131,7 @@ def main(argv=None):
   demo["trained_params"] = trained_params(args.workdir)[0]
   demo["lora"] = figures(args.lora_workdir)
   demo["lora"]["trained_params"], demo["lora"]["lora_rank"] = trained_params(args.lora_workdir)
-  with open(SUMMARY, "w") as f:
-    json.dump(demo, f, indent=2)
-    f.write("\n")
-  with open(README) as f:
-    text = rewrite(f.read(), demo)
-  with open(README, "w") as f:
-    f.write(text)
-  print(f"wrote {SUMMARY} and the table in {README}")
+  save(demo, SUMMARY, rewrite)
 
 
 if __name__ == "__main__":

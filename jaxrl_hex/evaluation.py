@@ -33,16 +33,17 @@ def sampled_completions(engine, records, k: int, rng, batch_size: int) -> list[l
   return out
 
 
-def greedy_episodes(engine, task, records, turn_tokens: int = 0, group_size: int = 1, rng=None) -> tuple:
-  """An episodic task's episodes from the records, greedy (or sampled with `rng`) -> ([N] float32
-  rewards, the Episodes in row order: transcripts, faults)."""
-  stream = make_stream(engine, task, turn_tokens)
+def greedy_episodes(stream, records, group_size: int = 1, rng=None) -> tuple:
+  """An episodic task's episodes from the records through `stream` (rollout.streams.make_stream;
+  kept by a caller that evaluates again and again, so its tool workers and endpoint start once),
+  greedy (or sampled with `rng`) -> ([N] float32 rewards, the Episodes in row order: transcripts,
+  faults)."""
+  engine = stream.engine
   engine.greedy = rng is None
   try:
     rollout, episodes = stream.run(list(records), group_size, jax.random.key(0) if rng is None else rng)
   finally:
     engine.greedy = False
-    stream.close()
   return rollout.rewards, episodes
 
 
@@ -59,5 +60,9 @@ def evaluate(engine, scorer, records, version, params, batch_size: int, task=Non
   """Greedy accuracy with these weights; an episodic `task` scores its own episodes (scorer unused)."""
   engine.load_weights(version, params)
   if is_episodic(task):
-    return float(greedy_episodes(engine, task, records)[0].mean())
+    stream = make_stream(engine, task)
+    try:
+      return float(greedy_episodes(stream, records)[0].mean())
+    finally:
+      stream.close()
   return score(scorer, records, greedy_completions(engine, records, batch_size))

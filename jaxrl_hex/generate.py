@@ -31,6 +31,7 @@ from jaxrl_hex.evaluation import greedy_episodes
 from jaxrl_hex.meshes import prepare_cpu_devices
 from jaxrl_hex.metrics import Progress
 from jaxrl_hex.rollout.engine import Engine, Request, engine_options
+from jaxrl_hex.rollout.streams import make_stream
 from jaxrl_hex.runtime import build_runtime, load_mesh
 from jaxrl_hex.sync.adapters import AdapterWeights
 from jaxrl_hex.tasks import is_episodic, prompt_length
@@ -247,7 +248,11 @@ def _episodes(args, rt, ckpt_dir, options) -> dict:
   engine, _ = checkpoint_engine(rt, ckpt_dir, args.step, options)
   t0 = time.perf_counter()
   rng = None if args.greedy else jax.random.key(args.seed)
-  rewards, episodes = greedy_episodes(engine, rt.task, records, rt.cfg.rollout.turn_tokens, args.samples, rng)
+  stream = make_stream(engine, rt.task, rt.cfg.rollout.turn_tokens)
+  try:
+    rewards, episodes = greedy_episodes(stream, records, args.samples, rng)
+  finally:
+    stream.close()
   with open(args.out, "w") as out:
     for ep in episodes:
       out.write(

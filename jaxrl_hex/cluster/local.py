@@ -134,6 +134,7 @@ class LocalRolloutSide:
     # a fleet replica's routed chunks (advance): prompt groups, or an environment's episodes
     self.episodic = is_episodic(rt.task)
     self.stream = make_stream(self.engine, rt.task, r.turn_tokens)
+    self.eval_stream = make_stream(self.eval_engine, rt.task, r.turn_tokens) if self.episodic else None
     self._arrived = threading.Event()  # set by notify(): the router holds new work for this replica
     self.receives = []  # (start, end) of the weight receives the engine pulled mid-generation
 
@@ -226,7 +227,7 @@ class LocalRolloutSide:
     """Greedy completions (str) of the records, to score; an environment's greedy episodes' rewards (float)."""
     self.refresh(self.eval_engine, handle)
     if self.episodic:
-      return greedy_episodes(self.eval_engine, self.rt.task, records, self.rt.cfg.rollout.turn_tokens)[0].tolist()
+      return greedy_episodes(self.eval_stream, records)[0].tolist()
     return greedy_completions(self.eval_engine, records, len(records))
 
   def probe(self, prompt, handle) -> list[dict]:
@@ -251,6 +252,7 @@ class LocalRolloutSide:
   def close(self):
     if self.episodic:
       self.stream.close()
+      self.eval_stream.close()
 
 
 def local_sides(rt, workdir, resume, recorder):

@@ -98,8 +98,7 @@ class EpisodeStream:
     self.turn_tokens = int(turn_tokens)
     self.format = tool_format(task.tool_format, task.tools)
     self.tools = ToolRunner(task.tools, task.tool_timeout_s) if task.tools else None
-    # a chat template lists the tools' schemas in the first prompt; the tag format's tasks teach them
-    self._schemas = [t.schema() for t in task.tools] if task.tool_format == "hermes" else ()
+    self._schemas = task.listed_tools()
     self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="episode")
     self._chunks = {}  # key -> _Chunk, in submission order
     self._waiting = {}  # future -> (episode, started): turns with a tool or the environment, in turn order

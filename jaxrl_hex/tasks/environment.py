@@ -84,6 +84,11 @@ class EnvTask:
             chars.update(v if isinstance(v, str) else "")
       self.tokenizer = CharTokenizer("".join(sorted(chars)))
 
+  def listed_tools(self) -> list:
+    """The tools' schemas a chat template lists in the first prompt (hermes); the tag format's
+    tasks teach their tools by demonstration instead."""
+    return [t.schema() for t in self.tools] if self.tool_format == "hermes" else []
+
 
 def render(tokenizer, observation, first: bool, tools=()) -> list[int]:
   """An observation's token ids. Text is encoded as it is (a character tokenizer's format is the
@@ -115,8 +120,7 @@ def render(tokenizer, observation, first: bool, tools=()) -> list[int]:
 def first_prompt(task: EnvTask, record: dict) -> list[int]:
   """The token ids (BOS first) of a fresh episode's first observation of `record`."""
   tok = task.tokenizer
-  schemas = [t.schema() for t in task.tools] if task.tool_format == "hermes" else ()
-  return [tok.bos_id] + render(tok, task.env().reset(record), True, schemas)
+  return [tok.bos_id] + render(tok, task.env().reset(record), True, task.listed_tools())
 
 
 def demo_tokens(task: EnvTask, record: dict) -> tuple[list[int], list[int], list[bool]]:

@@ -428,8 +428,7 @@ def test_the_tool_task_trains_on_ray_with_tools_in_the_rollout_process(ray_sessi
   tool workers live in the rollout actor's process; the batches come back whole, each once."""
   from support_agentic import calculator_config
 
-  from jaxrl_hex.metrics import Recorder
-  from jaxrl_hex.orchestrator import Orchestrator
+  from jaxrl_hex import commands
   cfg = calculator_config(
       **{
           "init_from": calculator_warm,
@@ -439,15 +438,7 @@ def test_the_tool_task_trains_on_ray_with_tools_in_the_rollout_process(ray_sessi
           "train.steps": 2
       })
   workdir = str(tmp_path / "calc")
-  rt = build_runtime(cfg)
-  train, rollout = RayTrainSide(rt, workdir, resume=False), RayRolloutSide(rt, workdir)
-  recorder = Recorder(workdir)
-  try:
-    Orchestrator(rt, train, rollout, recorder).run()
-  finally:
-    train.close()
-    rollout.close()
-    recorder.close()
+  commands.train(cfg, workdir)
   rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") == "train" and "loss" in r]
   assert [r["step"] for r in rows] == [1, 2] and sorted(r["batch"] for r in rows) == [0, 1]
   for r in rows:
