@@ -2,7 +2,7 @@
 
 On meshes/cpu-mixed.yaml (group 0: one replica of 2 devices at tensor 2 on core 0; group 1: two
 single-device replicas on core 1), generation only (no trainer), the same weights and batches
-for every configuration, two batches in flight as at eta = 1:
+for every configuration, two batches in flight as at eta = 1 (--in-flight):
 
   fleet     the Ray rollout side with every replica, batches routed over them by prompt group
   solo g    the same side built from group g alone (its replicas only)
@@ -10,6 +10,12 @@ for every configuration, two batches in flight as at eta = 1:
             replica, a batch to whichever is free), so with 2 in flight one replica waits
 
   python benchmarks/fleet.py [--batches 8 --prompts 8 --group 8 --new 64]  ->  benchmarks/out/fleet.json
+  python benchmarks/fleet.py --per-core --in-flight 1   # -> fleet-per-core-1.json: a replica per core
+
+--per-core keeps the premise of a real fleet on this 2-core machine: every replica has a core of its
+own, so a replica that waits leaves its hardware idle (with two replicas on core 1, the one that waits
+hands its half core to its sibling, which flatters whole-batch dispatch). Fewer batches in flight
+than replicas is then --in-flight 1.
 """
 import argparse
 import concurrent.futures
@@ -57,7 +63,7 @@ def _config(mesh_file, args):
   cfg.model.update(MODEL)
   cfg.rollout.update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new)
   cfg.rollout.eos_ids = [cfg.model.vocab_size - 1]  # random weights: lengths come from the budget, not EOS
-  cfg.train.max_staleness = 1  # eta = 1: two batches in flight
+  cfg.train.max_staleness = max(args.in_flight - 1, 0)  # eta = 1: two batches in flight
   return cfg
 
 
@@ -68,10 +74,10 @@ def _batches(rt, args):
 
 
 def _run(generate, batches, args):
-  """Warm-up batch, then the rest with two in flight -> (tokens/s, seconds)."""
+  """Warm-up batch, then the rest with --in-flight at once -> (tokens/s, seconds)."""
   generate(batches[0], 0)
   t0, tokens = time.perf_counter(), 0
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+  with concurrent.futures.ThreadPoolExecutor(args.in_flight) as pool:
     for rollout in pool.map(lambda kb: generate(kb[1], kb[0]), enumerate(batches[1:], 1)):
       tokens += rollout.num_tokens
   seconds = time.perf_counter() - t0
@@ -92,16 +98,22 @@ def main():
   ap.add_argument("--prompts", type=int, default=8)
   ap.add_argument("--group", type=int, default=8)
   ap.add_argument("--new", type=int, default=64)
+  ap.add_argument("--in-flight", type=int, default=2, help="batches generated at once (eta + 1)")
+  ap.add_argument("--per-core", action="store_true", help="one replica per core: group 1 cut to one replica")
   args = ap.parse_args()
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
   tmp = tempfile.mkdtemp()
   groups = yaml.safe_load(open(MESH))["pools"]["rollout"]["replicas"]
-  rt = build_runtime(_config(MESH, args))
+  mesh = MESH
+  if args.per_core:
+    groups = [groups[0], dict(groups[1], count=1, affinity=groups[1]["affinity"][:1])]
+    mesh = _mesh_with(groups, tmp)
+  rt = build_runtime(_config(mesh, args))
   params = rt.policy.init(0)
   batches = _batches(rt, args)
   results = {}
 
-  _, fleet, handle = _side(MESH, args, params, tmp)
+  _, fleet, handle = _side(mesh, args, params, tmp)
   results["fleet"] = _run(lambda recs, k: fleet.generate(recs, args.group, 0, k, handle)[0], batches, args)
   route = [g for g in fleet.describe()["groups"]]
   fleet.close()
@@ -155,7 +167,8 @@ def main():
       "fastest_replica_idle_share": fastest_idle,
   }
   os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-  with open(os.path.join(HERE, "out", "fleet.json"), "w") as f:
+  name = "fleet" + ("-per-core" if args.per_core else "") + ("" if args.in_flight == 2 else f"-{args.in_flight}")
+  with open(os.path.join(HERE, "out", name + ".json"), "w") as f:
     json.dump(out, f, indent=2)
   for k, v in results.items():
     print(f"{k:>14}: {v[0]:8.0f} tok/s ({v[1]:.1f} s)")

@@ -17,6 +17,17 @@ Timing: one cold run (compile + run), then --repeats warm runs; new_tokens_per_s
 best warm run (the machine is shared: the fastest run is the least disturbed one) and
 compile_s = cold - best warm.
 
+The limit (engine ours): a plain jitted loop of the decode step's weight matmuls alone -- per
+layer the q, k, v and o projections, gate, up and down, then the output head -- on the engine's
+weights, at its slot batch and dtype, for as many steps as the engine's decode ran; no
+attention, no sampling, no prefill. It runs in the same process, interleaved with the engine's
+warm runs (ours, limit, ours, limit, ...), and limit_tokens_per_s = the engine's new tokens /
+the limit's best time, so ours_over_limit is the share of the matmul rate the engine reaches.
+--layout 2x2 runs both on 4 simulated CPU devices laid out as meshes/cpu-8.yaml's rollout pool
+(data 2 x tensor 2, the default rules): the limit's weights have the engine's shardings and its
+activations the model's (rows over data, heads and the MLP over tensor), so it pays the same
+tensor-parallel all-reduces.
+
 This file must not import jaxrl_hex at module level: the tunix engine runs it in the Tunix venv.
 """
 import argparse
@@ -34,6 +45,7 @@ MODEL = dict(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, h
 PAD, BOS = 0, 1
 EOS = MODEL["vocab_size"]  # never sampled
 ENGINES = ("ours", "naive", "tunix")
+LAYOUTS = {"1": {}, "2x2": {"data": 2, "tensor": 2}}  # mesh axes of the rollout pool
 
 
 def workload(name: str) -> dict:
@@ -78,22 +90,62 @@ class IntTokenizer:
     return " ".join(str(int(i)) for i in ids)
 
 
-def _our_policy():
+def _our_policy(layout="1"):
   import jax
 
   from jaxrl_hex import meshes
   from jaxrl_hex.models.config import model_config
   from jaxrl_hex.models.policy import Policy
-  pool = meshes.Pool(meshes.PoolSpec("rollout", (0,), {}, dict(meshes.DEFAULT_RULES)), jax.devices()[:1])
+  axes = LAYOUTS[layout]
+  n = int(np.prod(list(axes.values()) or [1]))
+  pool = meshes.Pool(meshes.PoolSpec("rollout", tuple(range(n)), axes, dict(meshes.DEFAULT_RULES)), jax.devices()[:n])
   policy = Policy.build(model_config(**MODEL))
   return pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
 
 
-def run_ours(w, repeats, steps_per_sync, kv_page_size=0):
+def matmul_limit(policy, pool, params, batch: int, steps: int):
+  """The decode step's weight matmuls alone, `steps` times over `batch` rows -> run() (blocks
+  until done). Activations keep the model's logical axes, so on a mesh the chain is partitioned
+  as the engine's step is. Only what joins the matmuls is added: k and v added to their query
+  heads (for the o projection), gate x up, one RMS rescale per step (keeps values finite) and a
+  running sum of the logits (keeps the head alive)."""
+  import jax
+  import jax.numpy as jnp
+  cfg = policy.cfg
+  dt = jnp.dtype(cfg.dtype)
+  act = lambda x, *axes: jax.lax.with_sharding_constraint(x, pool.sharding(axes, x.shape))
+  kv, group, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+
+  proj = lambda x, w: x @ w.reshape(x.shape[-1], -1).astype(dt)
+
+  def step(params, x, acc):  # x [B, d_model], acc [B, vocab]
+    for layer in params["layers"].values():
+      a, m = layer["attn"], layer["mlp"]
+      q = act(proj(x, a["wq"]).reshape(-1, kv, group, hd), "batch", "kv_heads", None, None)
+      k = act(proj(x, a["wk"]).reshape(-1, kv, 1, hd), "batch", "kv_heads", None, None)
+      v = act(proj(x, a["wv"]).reshape(-1, kv, 1, hd), "batch", "kv_heads", None, None)
+      x = act(x + proj((q + k + v).reshape(x.shape[0], -1), a["wo"]), "batch", None)
+      h = act(proj(x, m["gate"]), "batch", "mlp") * act(proj(x, m["up"]), "batch", "mlp")
+      x = act(x + proj(h, m["down"]), "batch", None)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return x, acc + act(proj(x, params["lm_head"]), "batch", "vocab_out")
+
+  @jax.jit
+  def loop(params, x):
+    acc = jnp.zeros((batch, cfg.vocab_size), dt)
+    return jax.lax.fori_loop(0, steps, lambda _, c: step(params, *c), (x, acc))[1]
+
+  x = jax.device_put(
+      np.random.default_rng(0).standard_normal((batch, cfg.d_model)).astype(dt), pool.sharding(("batch", None)))
+  compiled = loop.lower(params, x).compile()
+  return lambda: compiled(params, x).block_until_ready()
+
+
+def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1"):
   import jax
 
   from jaxrl_hex.rollout.engine import Engine, Request
-  pool, policy, params = _our_policy()
+  pool, policy, params = _our_policy(layout)
   engine = Engine(policy, pool, IntTokenizer(), w["max_new"], temperature=1.0, slots=w["slots"],
                   max_prompt_len=w["prompts"].shape[1], eos_ids=(EOS,), steps_per_sync=steps_per_sync,
                   kv_page_size=kv_page_size)
@@ -108,9 +160,23 @@ def run_ours(w, repeats, steps_per_sync, kv_page_size=0):
       samples += engine.poll()
     return sum(len(s.tokens) for s in samples)
 
-  seconds, compile_s, tokens = timed(run, repeats)
-  return dict(seconds=seconds, compile_s=compile_s, new_tokens=tokens, compile_count=engine.compile_count,
-              kv_cache_bytes=engine.memory["kv_cache_bytes"])
+  t0 = time.perf_counter()
+  tokens, steps = run(0), engine.decode_steps
+  cold = time.perf_counter() - t0
+  limit = matmul_limit(policy, pool, params, w["slots"], steps)
+  limit()  # warm
+  best, best_limit = float("inf"), float("inf")
+  for i in range(repeats):  # interleaved: ours, limit, ours, limit, ...
+    t0 = time.perf_counter()
+    got = run(i + 1)
+    best = min(best, time.perf_counter() - t0)
+    assert got == tokens, (got, tokens)
+    t0 = time.perf_counter()
+    limit()
+    best_limit = min(best_limit, time.perf_counter() - t0)
+  return dict(seconds=best, compile_s=max(cold - best, 0.0), new_tokens=tokens, compile_count=engine.compile_count,
+              kv_cache_bytes=engine.memory["kv_cache_bytes"], decode_steps=steps, limit_seconds=best_limit,
+              limit_tokens_per_s=tokens / best_limit, ours_over_limit=best_limit / best, layout=layout)
 
 
 def run_naive(w, repeats):
@@ -184,6 +250,8 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--steps-per-sync", type=int, default=16)
   ap.add_argument("--kv-page-size", type=int, default=0, help="ours: page the KV cache (rollout.kv_page_size)")
+  ap.add_argument("--layout", default="1", choices=tuple(LAYOUTS),
+                  help="ours: the rollout pool, one device or data 2 x tensor 2 on 4 simulated CPU devices")
   ap.add_argument("--json", action="store_true", help="print one JSON object (the default prints a line)")
   args = ap.parse_args(argv)
   if args.engine == "tunix" and os.path.realpath(sys.prefix) != os.path.realpath(
@@ -191,10 +259,15 @@ def main(argv=None):
     if not os.path.exists(TUNIX_PYTHON):
       raise SystemExit(f"{TUNIX_PYTHON} is missing; run: bash benchmarks/setup_tunix.sh")
     return subprocess.call([TUNIX_PYTHON, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
+  if args.layout != "1" and args.engine != "ours":
+    raise SystemExit(f"--layout {args.layout} runs --engine ours only")
   import jax
+  if args.layout != "1":
+    from jaxrl_hex.meshes import prepare_cpu_devices
+    prepare_cpu_devices(int(np.prod(list(LAYOUTS[args.layout].values()))))
   w = workload(args.workload)
   if args.engine == "ours":
-    out = run_ours(w, args.repeats, args.steps_per_sync, args.kv_page_size)
+    out = run_ours(w, args.repeats, args.steps_per_sync, args.kv_page_size, args.layout)
   elif args.engine == "naive":
     out = run_naive(w, args.repeats)
   else:
@@ -203,7 +276,8 @@ def main(argv=None):
                 slots=w["slots"], jax=jax.__version__, device=str(jax.devices()[0].platform))
   print(
       json.dumps(result) if args.json else f"{args.workload} {args.engine}: {result['new_tokens_per_s']:.0f} "
-      f"new tokens/s, compile {result['compile_s']:.1f}s")
+      f"new tokens/s, compile {result['compile_s']:.1f}s" +
+      (f", {result['ours_over_limit']:.2f} of the matmul limit" if "ours_over_limit" in result else ""))
   return 0
 
 

@@ -5,7 +5,7 @@
 
 Prints one JSON line. The model is Tunix's own Qwen3 at the benchmark's tiny shape; the train
 pool is devices 0-3 as (fsdp 2, tp 2), rollout devices 4-7 likewise (8 simulated CPU devices), or
-for w4 with "layout": "1+1", device 0 and device 1 (meshes/cpu-1-1.yaml on our side).
+with "layout": "1+1", device 0 and device 1 (meshes/cpu-1-1.yaml on our side).
 """
 import json
 import sys
@@ -44,9 +44,9 @@ def model_on(m):
     return nnx.merge(graph, jax.device_put(state, shardings))
 
 
-def w3(seqs, prompt, completion, steps):
+def w3(seqs, prompt, completion, steps, layout="2x2"):
   """Tunix's jitted GRPO train step (PeftTrainer + grpo_loss_fn) on fixed 96-token sequences."""
-  train, _, shape = LAYOUTS["2x2"]
+  train, _, shape = LAYOUTS[layout]
   train_mesh = mesh(train, shape)
   model = model_on(train_mesh)
   algo = grpo_learner.GRPOConfig(num_generations=8, beta=0.0, epsilon=0.2, loss_agg_mode="token-mean")

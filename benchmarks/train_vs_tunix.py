@@ -3,16 +3,22 @@ the same tiny Qwen3-like model (vocab 512, d_model 256, 4 layers, 4 query / 2 KV
 MLP 1024, tied embeddings, fp32) on 8 simulated CPU devices, train pool 0-3, rollout pool 4-7:
 
   W3  one GRPO AdamW step on 64 sequences x 96 tokens (32 prompt + 64 completion): train tokens/s
-      vs Tunix's jitted train step (PeftTrainer + grpo_loss_fn).              goal >= 1.2x
+      vs Tunix's jitted train step (PeftTrainer + grpo_loss_fn),              goal >= 1.2x
+      and vs the step's matmul-rate limit measured in the same run (matmul_chain: the step's weight
+      matmuls alone, forward and both gradient products, at its shapes, partitioned as it is),
+      interleaved in rounds: limit = tokens * rate / (6 * params * tokens + attention FLOPs).
+                                                                              aim >= 80%
+      On one device (train pool of meshes/cpu-1-1.yaml) and on the 2 x 2 train mesh.
   W4  one full GRPO step: 8 prompts x 8 samples, 32-token prompts, 64 new tokens, trivial reward,
       rollout and trainer on different devices: seconds/step of our loop (synchronous, eta 0, and
       async, eta 1) vs Tunix's GRPOLearner (synchronous).                          goal >= 2x
       Twice: on those 2 x 2 meshes, and on one device per pool (train 0, rollout 1: "1+1").
 
-  python benchmarks/train_vs_tunix.py [--only w3|w4] [--steps N]  ->  benchmarks/out/train_vs_tunix.json
+  python benchmarks/train_vs_tunix.py [--only w3|w4] [--steps N] [--readme]  ->  benchmarks/out/train_vs_tunix.json
 
-Each side reports its best (W3) or mean (W4) steady-state step after a compiling first step; with
---rounds, W4 keeps each side's fastest round (the machine is shared: the least disturbed one).
+Each side reports its best (W3: of --steps rounds) or mean (W4) steady-state step after a compiling
+first step; with --rounds, W4 keeps each side's fastest round (the machine is shared: the least
+disturbed one). --readme rewrites the W3 table in benchmarks/README.md.
 """
 import argparse
 import json
@@ -44,8 +50,8 @@ TINY = dict(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, he
 TUNIX_PY = os.path.join(HERE, ".venv-tunix", "bin", "python")
 
 
-def pools():
-  return meshes.build_pools(meshes.load_mesh_file(os.path.join(os.path.dirname(HERE), "meshes", "cpu-8.yaml")))
+def pools(mesh_file="cpu-8.yaml"):
+  return meshes.build_pools(meshes.load_mesh_file(os.path.join(os.path.dirname(HERE), "meshes", mesh_file)))
 
 
 def trainer(policy, pool, algo):
@@ -61,11 +67,15 @@ def grpo_tokens(rng, seqs, prompt, completion, group=8):
   return tokens
 
 
-def ours_w3(seqs, prompt, completion, steps, share_prompts=True):
+W3_MESH_FILES = {"1+1": "cpu-1-1.yaml", "2x2": "cpu-8.yaml"}  # W3 layouts: the train pool of each (Tunix: LAYOUTS)
+
+
+def ours_w3(seqs, prompt, completion, share_prompts=True, layout="2x2"):
+  """-> (a function timing one GRPO AdamW step in seconds, the compiling first step's seconds)."""
   policy = Policy.build(model_config(**TINY))
   algo = base_config().algo
   algo.update(dict(loss_agg="token-mean", clip_eps_high=0.2, share_prompts=share_prompts))
-  tr = trainer(policy, pools()["train"], algo)
+  tr = trainer(policy, pools(W3_MESH_FILES[layout])["train"], algo)
   rng = np.random.default_rng(0)
   n, width = seqs, prompt + completion
   batch = TrainBatch(tokens=grpo_tokens(rng, n, prompt, completion), valid=np.ones((n, width), bool), loss_mask=np.ones(
@@ -73,16 +83,100 @@ def ours_w3(seqs, prompt, completion, steps, share_prompts=True):
                                                  np.float32), rewards=rng.normal(size=n).astype(np.float32),
                      group_ids=np.repeat(np.arange(n // 8), 8).astype(np.int32), versions=np.zeros((n, completion),
                                                                                                    np.int32))
-  t0 = time.perf_counter()
-  tr.step(batch)
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(steps):
+  return timed(lambda: tr.step(batch))
+
+
+def timed(fn):
+  """-> (a function returning fn's seconds per call, the first (compiling) call's seconds)."""
+
+  def run():
     t0 = time.perf_counter()
-    tr.step(batch)
-    times.append(time.perf_counter() - t0)
-  best = min(times)
-  return {"step_s": best, "train_tokens_per_s": n * width / best, "first_step_s": first}
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+  return run, run()
+
+
+# Activation dims split like their weight's output (or input) dim; the rest are whole.
+TENSOR_AXES = ("heads", "kv_heads", "mlp", "vocab_out")
+
+
+def projections(cfg):
+  """The step's weight matmuls [tokens, in] x [in, out] as (in axis, out axis, in, out): per layer
+  q, k, v, o, gate, up, down; then the (tied) output head."""
+  d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.mlp_dim
+  layer = [("qkv_embed", "heads", d, q), ("qkv_embed", "kv_heads", d, kv), ("qkv_embed", "kv_heads", d, kv),
+           ("heads", "o_embed", q, d), ("mlp_up_embed", "mlp", d, f), ("mlp_up_embed", "mlp", d, f),
+           ("mlp", "mlp_down_embed", f, d)]
+  return layer * cfg.n_layers + [("embed_out", "vocab_out", d, cfg.vocab_size)]
+
+
+def matmul_chain(cfg, pool, tokens):
+  """The matmul-rate limit of a train step on `pool`: one jitted chain of the step's weight
+  matmuls alone, each projection's forward x @ w and its two gradient products g @ w.T and
+  x.T @ g, at the step's [tokens, in] shapes and dtype, partitioned as the trainer partitions
+  them (weights by the pool's rules, tokens over the batch axes, the gradients reduced to the
+  weights' shardings). Every product has its own operands, so XLA merges none.
+  -> (a function timing one call in seconds, the chain's FLOPs)."""
+  act = lambda axis: ("batch", axis if axis in TENSOR_AXES else None)
+  rng = np.random.default_rng(1)
+  dt = np.dtype(cfg.dtype)
+  put = lambda shape, axes: jax.device_put((rng.standard_normal(shape) * 0.1).astype(dt), pool.sharding(axes, shape))
+  inputs, outs, flops = [], [], 0
+  for i, o, n_in, n_out in projections(cfg):
+    inputs.append((put((tokens, n_in), act(i)), put((n_in, n_out), (i, o)), put((tokens, n_out), act(o))))
+    outs.append((pool.sharding(act(o)), pool.sharding(act(i)), pool.sharding((i, o))))
+    flops += 6 * tokens * n_in * n_out
+  chain = jax.jit(lambda inputs: [(x @ w, g @ w.T, x.T @ g) for x, w, g in inputs], out_shardings=outs)
+  return timed(lambda: chain(inputs))[0], flops
+
+
+def attention_flops(cfg, seqs, width):
+  """A step's attention FLOPs: QK^T and PV, 2 * head_dim each per visible (query, key, head),
+  times 3 (forward and backward), over each sequence's causal pairs width * (width + 1) / 2."""
+  return 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seqs * width * (width + 1) // 2
+
+
+def w3_rounds(seqs, prompt, completion, rounds, layout):
+  """Our step (with and without shared prompts) and its matmul-rate limit on one layout,
+  interleaved in `rounds` rounds (ours, limit, ours unshared, limit); each keeps its best round."""
+  cfg = model_config(**TINY)
+  tokens, width = seqs * (prompt + completion), prompt + completion
+  params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(Policy.build(cfg).shapes()))
+  model_flops = 6 * params * tokens + attention_flops(cfg, seqs, width)
+  shared, shared_first = ours_w3(seqs, prompt, completion, True, layout)
+  unshared, unshared_first = ours_w3(seqs, prompt, completion, False, layout)
+  chain, chain_flops = matmul_chain(cfg, pools(W3_MESH_FILES[layout])["train"], tokens)
+  times = {"ours": [], "unshared": [], "chain": []}
+  for _ in range(rounds):
+    for side, fn in (("ours", shared), ("chain", chain), ("unshared", unshared), ("chain", chain)):
+      times[side].append(fn())
+  rate = chain_flops / min(times["chain"])
+  limit = tokens * rate / model_flops
+  # With shared prompts the step runs each group's prompt once: its own work is fewer FLOPs than 6PT.
+  head = cfg.vocab_size * cfg.d_model
+  shared_flops = (6 * (params - head) * (seqs // 8 * prompt + seqs * (completion - 1)) + 6 * head * seqs * completion +
+                  attention_flops(cfg, seqs, width))
+  side = lambda key, first, flops: {
+      "step_s": min(times[key]),
+      "train_tokens_per_s": tokens / min(times[key]),
+      "first_step_s": first,
+      "of_limit": tokens / min(times[key]) / limit,
+      "model_gflops_run": flops / 1e9,
+      "of_limit_of_its_own_flops": flops / rate / min(times[key])
+  }
+  return {
+      "ours": side("ours", shared_first, shared_flops),
+      "ours_without_shared_prompts": side("unshared", unshared_first, model_flops),
+      "limit": {
+          "train_tokens_per_s": limit,
+          "matmul_gflops_per_s": rate / 1e9,
+          "chain_s": min(times["chain"]),
+          "model_gflops_per_step": model_flops / 1e9,
+          "params": params,
+          "attention_gflops_per_step": attention_flops(cfg, seqs, width) / 1e9
+      }
+  }
 
 
 class IdTokens:
@@ -143,38 +237,75 @@ def ours_w4(prompts, group, prompt, new, steps, eta=0, layout="2x2"):
   }
 
 
-def tunix(which, args):
+def tunix(which, args, last=None):
+  """Tunix's figures from its venv; for W3 without the venv, `last` (the previous run's, marked so)."""
   if not os.path.exists(TUNIX_PY):
+    if which == "w3":
+      print(f"{TUNIX_PY} is missing (bash benchmarks/setup_tunix.sh): W3 keeps the last run's Tunix figures")
+      return last and dict(last, kept_from_last_run=True)
     raise SystemExit(f"{TUNIX_PY} is missing; run: bash benchmarks/setup_tunix.sh")
   out = subprocess.run([TUNIX_PY, os.path.join(HERE, "train_tunix_side.py"), which,
                         json.dumps(args)], capture_output=True, text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])["tunix"]
 
 
+W3_LAYOUT_NAMES = {
+    "1+1": "one device (train pool of meshes/cpu-1-1.yaml)",
+    "2x2": "2 x 2 (fsdp 2 x tensor 2, train pool of meshes/cpu-8.yaml)"
+}
+
+
+def w3_table(results) -> str:
+  """The W3 rows of benchmarks/README.md from the JSON (its `train-w3` block)."""
+  rows = [
+      "| W3 layout | ours, train tokens/s | limit, train tokens/s (matmul rate) | **ours / limit** | "
+      "without shared prompts / limit | Tunix | ours / Tunix |", "|---|---|---|---|---|---|---|"
+  ]
+  for layout, name in W3_LAYOUT_NAMES.items():
+    r = results.get("w3" if layout == "2x2" else "w3_1+1")
+    if r is None:
+      continue
+    ours, unshared, limit, theirs = r["ours"], r["ours_without_shared_prompts"], r["limit"], r.get("tunix")
+    tunix_cell = "n/a" if not theirs else f"{theirs['train_tokens_per_s']:,.0f}" + (
+        " (last run's)" if theirs.get("kept_from_last_run") else "")
+    ratio = f"{r['ratio_train_tokens_per_s']:.2f}x" if theirs else "n/a"
+    rows.append(f"| {name} | {ours['train_tokens_per_s']:,.0f} | {limit['train_tokens_per_s']:,.0f} "
+                f"({limit['matmul_gflops_per_s']:.0f} GFLOP/s) | **{ours['of_limit']:.0%}** | "
+                f"{unshared['of_limit']:.0%} ({unshared['train_tokens_per_s']:,.0f}) | {tunix_cell} | {ratio} |")
+  return "\n".join(rows)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--only", choices=["w3", "w4"])
-  ap.add_argument("--steps", type=int, default=3)
+  ap.add_argument("--steps", type=int, default=3, help="W3: interleaved rounds; W4: steady steps per run")
+  ap.add_argument("--readme", action="store_true", help="rewrite the W3 table in benchmarks/README.md")
+  ap.add_argument("--keep-tunix", action="store_true", help="W3: reuse the JSON's Tunix figures (marked so)")
   ap.add_argument("--rounds", type=int, default=1,
                   help="W4: interleaved rounds (ours, Tunix, ours async); each side's fastest round counts")
   args = ap.parse_args()
   out = os.path.join(HERE, "out", "train_vs_tunix.json")
   results = json.load(open(out)) if os.path.exists(out) else {}  # --only keeps the other workload's figures
   if args.only in (None, "w3"):
-    w3 = dict(seqs=64, prompt=32, completion=64, steps=args.steps)
-    ours, theirs = ours_w3(**w3), tunix("w3", w3)
-    unshared = ours_w3(**w3, share_prompts=False)
-    results["w3"] = {
-        "workload": w3,
-        "ours": ours,
-        "ours_without_shared_prompts": unshared,
-        "tunix": theirs,
-        "ratio_train_tokens_per_s": ours["train_tokens_per_s"] / theirs["train_tokens_per_s"],
-        "ratio_without_shared_prompts": unshared["train_tokens_per_s"] / theirs["train_tokens_per_s"]
-    }
-    print(f"W3 train tokens/s: ours {ours['train_tokens_per_s']:.0f} (without shared prompts "
-          f"{unshared['train_tokens_per_s']:.0f}), tunix {theirs['train_tokens_per_s']:.0f} "
-          f"-> {results['w3']['ratio_train_tokens_per_s']:.2f}x (goal >= 1.2x)")
+    w3 = dict(seqs=64, prompt=32, completion=64)
+    for layout in W3_MESH_FILES:
+      key = "w3" if layout == "2x2" else "w3_1+1"
+      ours = w3_rounds(**w3, rounds=args.steps, layout=layout)
+      print(f"W3 ({layout}) ours: {json.dumps(ours)}", flush=True)
+      last = results.get(key, {}).get("tunix")
+      theirs = dict(last, kept_from_last_run=True) if args.keep_tunix and last else tunix(
+          "w3", dict(w3, steps=args.steps, layout=layout), last)
+      results[key] = dict(workload=dict(w3, rounds=args.steps, layout=layout), **ours, tunix=theirs)
+      if theirs:
+        results[key]["ratio_train_tokens_per_s"] = ours["ours"]["train_tokens_per_s"] / theirs["train_tokens_per_s"]
+        results[key]["ratio_without_shared_prompts"] = (ours["ours_without_shared_prompts"]["train_tokens_per_s"] /
+                                                        theirs["train_tokens_per_s"])
+      print(f"W3 ({layout}) train tokens/s: ours {ours['ours']['train_tokens_per_s']:.0f} "
+            f"({ours['ours']['of_limit']:.0%} of the limit {ours['limit']['train_tokens_per_s']:.0f} at "
+            f"{ours['limit']['matmul_gflops_per_s']:.0f} GFLOP/s; without shared prompts "
+            f"{ours['ours_without_shared_prompts']['train_tokens_per_s']:.0f}, "
+            f"{ours['ours_without_shared_prompts']['of_limit']:.0%}), tunix "
+            f"{theirs['train_tokens_per_s'] if theirs else float('nan'):.0f}")
   for layout in ("2x2", "1+1") if args.only in (None, "w4") else ():
     w4 = dict(prompts=8, group=8, prompt=32, new=64, steps=args.steps, layout=layout)
     runs = [(ours_w4(**w4), tunix("w4", w4), ours_w4(**w4, eta=1)) for _ in range(args.rounds)]
@@ -194,6 +325,9 @@ def main():
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w") as f:
     json.dump(results, f, indent=2)
+  if args.readme:
+    from readme_section import write_section  # benchmarks/ is on the path when run as a script
+    write_section("train-w3", w3_table(results), "Trainer against Tunix")
 
 
 if __name__ == "__main__":

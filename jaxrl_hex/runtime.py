@@ -17,6 +17,7 @@ from jaxrl_hex import footprint, meshes
 from jaxrl_hex.config import resolve_path, validate_fields
 from jaxrl_hex.errors import ConfigError, UserError
 from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.families import EXECUTION_FIELDS, PRECISION_FIELDS
 from jaxrl_hex.models.hf import hf_model_config
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl.objectives import validate_algo
@@ -144,10 +145,11 @@ def build_runtime(cfg, own_runtime=False, replica=None, check_prompts=True) -> R
   enable_compile_cache()
   mesh_file = load_mesh(cfg)
   validate_fields(cfg)  # before the task and the model load (seconds for a real one); validate() repeats it
-  if cfg.get("model_dir"):  # the architecture is the checkpoint's config.json; precision stays the run's
+  if cfg.get("model_dir"):  # the architecture is the checkpoint's config.json; precision, execution
+    # (remat, scan, attention and logprob blocking) and the adapters on the model stay the run's
     with cfg.unlocked():
-      cfg.model = hf_model_config(resolve_path(cfg.model_dir), dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                                  lora=cfg.model.lora.to_dict())  # adapters on the model: the run's
+      own = {k: cfg.model[k] for k in PRECISION_FIELDS + EXECUTION_FIELDS if k in cfg.model}
+      cfg.model = hf_model_config(resolve_path(cfg.model_dir), lora=cfg.model.lora.to_dict(), **own)
   task = load_task(cfg.task, cfg, check_prompts)
   if cfg.model.vocab_size == 0:  # "auto": the task tokenizer's size, rounded up so it shards
     with cfg.unlocked():

@@ -40,6 +40,9 @@ CASES = [
     ("max_new_tokens=0", "train --config.rollout.max_new_tokens=0", "rollout.max_new_tokens=0 must be >= 1"),
     ("max_prompt_len=0", "train --config.rollout.max_prompt_len=0", "rollout.max_prompt_len=0 must be >= 1"),
     ("sft.batch_size=0", "sft --config.sft.batch_size=0", "sft.batch_size=0 must be >= 1"),
+    # model fields (models/config.py)
+    ("attention_kernel", "train --config.model.attention_kernel=triton",
+     "model config: attention_kernel='triton'; use one of ('auto', 'portable', 'pallas')"),
     # LoRA (models/config.py check_lora; a base that does not match is tests/test_cli.py's)
     ("lora.rank>dim", "train --config.model.lora.rank=100", "model.lora.rank=100 is larger than"),
     ("lora.targets", "train --config.model.lora.rank=4 --config.model.lora.targets=('qproj',)",

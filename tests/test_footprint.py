@@ -46,9 +46,10 @@ def test_train_step_arguments_are_the_sharded_state_and_the_layout(pools, setup)
   batch = footprint.full_batch(32, 8, 8, group_size=8)
   step = footprint.train_step(policy, pools["train"], objective, tx, batch)
   assert step["layout"] == (1, 1, 32, 16)
-  # params, Adam's mu and nu in fp32, and two int32 step counts (adam's and the schedule's)
-  state = 3 * _per_device_params(policy.cfg) * 4 + 2 * 4
-  assert state == 375560
+  # params, Adam's mu and nu in fp32, two int32 step counts (adam's and the schedule's) and the
+  # schedule's four fp32 settings
+  state = 3 * _per_device_params(policy.cfg) * 4 + 2 * 4 + 4 * 4
+  assert state == 375576
   assert footprint.sharded_bytes((step["state"].params, step["state"].opt_state)) == state
   update = step["update"]
   # the rest: the Rows fields a token-level loss reads (tokens, positions, segments; `seq` and the
@@ -71,7 +72,8 @@ def test_abstract_optimizer_state_is_where_the_trainer_puts_it(pools, setup):
   assert jax.tree.map(lambda x: x.sharding, trainer.opt_state) == jax.tree.map(lambda x: x.sharding, state.opt_state)
   moments = trainer.opt_state[1][0].mu
   assert moments["embed"].sharding.spec == trainer.params["embed"].sharding.spec == P("tensor", "fsdp")
-  assert footprint.sharded_bytes(state.opt_state) == 2 * _per_device_params(policy.cfg) * 4 + 2 * 4
+  # Adam's two moments, two int32 counts and the learning-rate schedule's four fp32 settings
+  assert footprint.sharded_bytes(state.opt_state) == 2 * _per_device_params(policy.cfg) * 4 + 2 * 4 + 4 * 4
 
 
 def test_decode_step_arguments_are_the_weights_and_the_kv_cache(pools, setup):

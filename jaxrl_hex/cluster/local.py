@@ -1,4 +1,6 @@
 """Both sides in this JAX runtime. The Ray workers wrap these same classes, one per process."""
+import collections
+import concurrent.futures
 import os
 import threading
 import time
@@ -51,6 +53,7 @@ class LocalTrainSide:
     """base_sync: with LoRA, where the frozen base is published (once)."""
     cfg = rt.cfg
     self.rt, self.sync, self.base_sync, self._base_handle = rt, sync, base_sync, None
+    self._settle_seconds = 0.0  # what the last step waited for the publish before it
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     self.meta = {}
     params, self.warmstart = first_weights(rt, workdir, resume, recorder)
@@ -74,6 +77,8 @@ class LocalTrainSide:
     return self.trainer.state()  # params, opt_state, and ref_params / critic when the algorithm has them
 
   def step(self, batch) -> dict:
+    # the params are donated to this step: a publish's copy of them still running must end first
+    self._settle_seconds = self.sync.settle()
     return self.trainer.step(batch)
 
   def publish(self):
@@ -99,7 +104,9 @@ class LocalTrainSide:
 
   @property
   def sync_seconds(self) -> float:
-    return self.sync.last_seconds
+    """What the trainer waited on sync this step: the publish, and the previous publish's copy
+    where the step had to wait for it."""
+    return self.sync.last_seconds + self._settle_seconds
 
   def save(self, meta: dict):
     self.checkpointer.save(self.trainer.version, self._state(), meta)
@@ -125,18 +132,23 @@ class LocalRolloutSide:
     self.rt, self.sync, self.base_sync = rt, sync, base_sync
     self.lora_weights = AdapterWeights(rt.policy, rt.shardings("rollout"), r.lora_serving) if rt.policy.lora else None
     policy = self.lora_weights.engine_policy if self.lora_weights else rt.policy
-    self._offered = None  # newest published weights, picked up by the engine mid-batch
+    self._offered = None  # newest published weights, received in the background (offer)
+    # double-buffered receive: the engine decodes on its weights while the next version lands in
+    # a second set of buffers, then switches at a step boundary (Engine.load_weights)
+    self._landing = None  # (version, Future) of the background receive of the newest offered
+    self._receiver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-receive")
+    self._received = (-1, None)  # (version, engine params) last received: this runtime's engines share them
+    self._receive_lock = threading.Lock()
     pool = rt.pool("rollout")
     options = engine_options(r)
-    self.engine = Engine(policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **options,
-                         weights_source=self._fresh_weights)
+    self.engine = Engine(policy, pool, rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p, **options)
     self.eval_engine = Engine(policy, pool, rt.tokenizer, r.max_new_tokens, **options)
     # a fleet replica's routed chunks (advance): prompt groups, or an environment's episodes
     self.episodic = is_episodic(rt.task)
     self.stream = make_stream(self.engine, rt.task, r.turn_tokens)
     self.eval_stream = make_stream(self.eval_engine, rt.task, r.turn_tokens) if self.episodic else None
     self._arrived = threading.Event()  # set by notify(): the router holds new work for this replica
-    self.receives = []  # (start, end) of the weight receives the engine pulled mid-generation
+    self.receives = collections.deque(maxlen=64)  # (start, end) of the receives that landed beside decoding
 
   def warmup(self, sample: int = 1000) -> float:
     """Compiles the engine's programs for the task's prompt lengths (a sample of its training
@@ -152,27 +164,46 @@ class LocalRolloutSide:
     self._arrived.set()
 
   def offer(self, handle):
-    """Called right after each publish: in-flight sequences switch to these weights at the engine's
-    next hand-back (rollout.interrupt), each new token carrying the new version."""
+    """Called right after each publish: the weights are received in the background while the
+    engine decodes on its own, and in-flight sequences switch to them at the engine's next
+    hand-back (rollout.interrupt), each new token carrying the new version."""
     if self._offered is None or handle.version > self._offered.version:
       self._offered = handle
+      self._landing = (handle.version, self._receiver.submit(self._land, handle))
 
-  def _fresh_weights(self):
-    handle = self._offered
-    if handle is not None and handle.version > self.engine.version:
-      start = time.time()
-      weights = self._receive(handle)
-      self.receives.append((start, time.time()))
-      return weights
-    return None
+  def _land(self, handle):
+    if handle is not self._offered:
+      return  # superseded while queued: the newer one lands instead
+    start = time.time()
+    weights = self._weights(handle)
+    self.receives.append((start, time.time()))
+    self.engine.load_weights(*weights)  # now if the engine is idle, else at its next step boundary
+
+  def _wait_landing(self, version=None):
+    """Waits for the background receive when it brings `version` or newer (None: if it is done),
+    raising what it raised (a failed fingerprint check)."""
+    landing = self._landing
+    if landing is not None and (landing[1].done() if version is None else landing[0] >= version):
+      landing[1].result()
 
   def refresh(self, engine, handle):
-    """Loads `handle`'s weights into `engine` unless it has them or newer; -> (start, end) or None."""
+    """Loads `handle`'s weights into `engine` unless it has them or newer; -> (start, end) of the
+    wait (a background receive of them finishing, or a receive now) or None."""
+    self._wait_landing()  # a failed background receive (a fingerprint mismatch) surfaces here
+    if handle.version <= engine.version:
+      return None
+    start = time.time()
+    self._wait_landing(handle.version)
     if handle.version > engine.version:
-      start = time.time()
-      engine.load_weights(*self._receive(handle))
-      return start, time.time()
-    return None
+      engine.load_weights(*self._weights(handle))
+    return start, time.time()
+
+  def _weights(self, handle):
+    """(version, the engine's params) of `handle` or newer: the last received when it is, else received now."""
+    with self._receive_lock:
+      if self._received[0] < handle.version:
+        self._received = self._receive(handle)
+      return self._received
 
   def _receive(self, handle):
     """(version, the engine's params) of `handle` in this runtime's layout, checked against its
@@ -202,25 +233,30 @@ class LocalRolloutSide:
     """A fleet replica's step: queues `chunks` [(id, records, group_size, seed, batch_index)] on
     the running engine, then hand-backs until a chunk finishes or the engine has room for more
     -> {done: [(id, Rollout)], tokens generated, decode steps run and their seconds, receives:
-    [(start, end)] of weights pulled}. Weights are at least handle.version for every queued group (the engine
-    switches before it admits); a group's samples are those generate() would draw."""
+    [(start, end)] the engine waited for weights, landed: [(start, end)] of receives beside
+    decoding}. Weights are at least handle.version for every queued group: they are waited for
+    only when they have not landed yet (the engine switches before it admits); a group's samples
+    are those generate() would draw."""
     self.offer(handle)
+    waited = self.refresh(self.engine, handle) if chunks else self._wait_landing()
     for cid, records, group_size, seed, batch_index in chunks:
       self.stream.submit(cid, records if self.episodic else [r["prompt"] for r in records], group_size,
                          batch_key(seed, batch_index), [r["index"] for r in records])
     engine = self.engine
-    tokens, steps, decode_s, self.receives = engine.tokens_generated, engine.decode_steps, engine.decode_seconds, []
+    tokens, steps, decode_s = engine.tokens_generated, engine.decode_steps, engine.decode_seconds
     done = self.stream.advance(max_s=ADVANCE_MAX_S, group_size=self.rt.cfg.rollout.group_size,
                                arrived=self._arrived.is_set)
     # cleared on the way out, not in: a notify that lands between the caller's last look at the
     # router and this call is for work this call did not take, so it ends the call at once
     self._arrived.clear()
+    landed = [self.receives.popleft() for _ in range(len(self.receives))]
     return {
         "done": done,
         "tokens": engine.tokens_generated - tokens,
         "steps": engine.decode_steps - steps,
         "decode_s": engine.decode_seconds - decode_s,
-        "receives": self.receives
+        "receives": [waited] if waited else [],
+        "landed": landed
     }
 
   def evaluate(self, records, handle) -> list:
@@ -250,6 +286,7 @@ class LocalRolloutSide:
     return {}
 
   def close(self):
+    self._receiver.shutdown(wait=False, cancel_futures=True)
     if self.episodic:
       self.stream.close()
       self.eval_stream.close()

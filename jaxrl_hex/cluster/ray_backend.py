@@ -412,13 +412,13 @@ class RayRolloutSide:
         continue
       t1 = time.time()
       where = {"replica": i, "group": self.group_of[i]}
-      for start, end in out["receives"]:
+      for start, end in out["receives"] + out["landed"]:  # landed: received while the engine decoded
         self._spans.span("receive", start, end, version=out["version"], bytes=out["receive_bytes"], **where)
       for _, receives, _ in held.values():
-        receives.extend(out["receives"])
+        receives.extend(out["receives"] + out["landed"])
       # speed = slot-steps/s, what the replica could generate full: a decode step costs the same
       # however many slots are live, so tokens/s would rate an underfed replica slow and feed it less.
-      # Compiles (none after warmup) and weight receives are no generation.
+      # Compiles (none after warmup) and waits for weights are no generation.
       gen_s = out["seconds"] - out["compile_s"] - sum(end - start for start, end in out["receives"])
       slot_steps = out["steps"] * self.slots[i]
       self.router.measure(i, slot_steps, gen_s)

@@ -160,13 +160,13 @@ class RolloutWorker:
 
   def advance(self, chunks, handle) -> dict:
     """Routed chunks onto the running engine, then one hand-back (LocalRolloutSide.advance) ->
-    its {done, tokens, receives} + seconds of the call, compile_s (a new shape's compile is no
+    its {done, tokens, receives, landed} + seconds of the call, compile_s (a new shape's compile is no
     measure of speed), receive_bytes (what this replica's devices hold), version."""
     engine, t0 = self.side.engine, time.perf_counter()
     compiled = engine.compile_seconds
     out = self.side.advance(chunks, handle)
     held = 0
-    if out["receives"]:
+    if out["receives"] or out["landed"]:
       held = sum(s.data.nbytes for leaf in jax.tree.leaves(engine.params) for s in leaf.addressable_shards)
     return dict(out, seconds=time.perf_counter() - t0, compile_s=engine.compile_seconds - compiled, receive_bytes=held,
                 version=engine.version)

@@ -34,12 +34,15 @@ class Segments:
   k_segments: jax.Array  # [B, S] int32, 0 = padding (or an unwritten cache slot)
   k_positions: jax.Array  # [B, S] int32
   window: jax.Array = NO_WINDOW  # int32 scalar; an array, so layers of a scan may differ
+  # Static: the keys are the queries' own tokens in order (causal), which the platform kernels
+  # need (models.kernels: they mask by segment id and index order).
+  keys_are_queries: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @classmethod
   def causal(cls, segments, positions):
     """Keys are the queries: packed rows (ids 1.. per sequence) or padded rows (valid as ids)."""
     segments = jnp.asarray(segments).astype(jnp.int32)
-    return cls(segments, positions, segments, positions, jnp.int32(NO_WINDOW))
+    return cls(segments, positions, segments, positions, jnp.int32(NO_WINDOW), True)
 
   def windowed(self, window: int):
     return dataclasses.replace(self, window=jnp.int32(window))
@@ -92,8 +95,34 @@ def _visible(qm, km, window):
   return (qs[:, :, None] == ks[:, None, :]) & (ks[:, None, :] > 0) & (distance >= 0) & (distance < window)
 
 
+def _tile(qi, kj, vj, visible, scale, cap, carry):
+  """The online softmax's (running max, sum, output accumulator) after one more key tile."""
+  m, l, acc = carry
+  s, _ = _scores(qi, kj, visible, scale, cap)
+  m_new = jnp.maximum(m, s.max(-1))
+  p = jnp.where(visible[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+  correction = jnp.exp(m - m_new)
+  acc = acc * correction[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vj.dtype), vj,
+                                                 preferred_element_type=jnp.float32)
+  return m_new, l * correction + p.sum(-1), acc
+
+
+def _finish(qi, m, l, acc):
+  """-> (out in q's dtype, lse) of a query block from its online softmax's final state."""
+  seen = l > 0
+  out = acc / jnp.where(seen, l, 1.0)[..., None]
+  return out.astype(qi.dtype), jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _EMPTY_LSE)
+
+
+def _start(qi):
+  stats = qi.shape[:-1]
+  return jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(qi.shape, jnp.float32)
+
+
 def _forward(q, k, v, mask, scale, cap, bq, bk):
   """Padded, blocked inputs -> (out [B, KV, G, T, hd] in q's dtype, lse [B, KV, G, T] fp32)."""
+  if _one_tile(q, k, bq, bk):
+    return _finish(q, *_tile(q, k, v, mask.dense(), scale, cap, _start(q)))
   qm, km = _tiles(mask, bq, bk)
   kb, vb = _blocks(k, 3, bk), _blocks(v, 2, bk)  # [nk, B, KV, hd, bk], [nk, B, KV, bk, hd]
 
@@ -103,28 +132,19 @@ def _forward(q, k, v, mask, scale, cap, bq, bk):
     def k_step(carry, ys):
       kj, vj, kmj = ys[0], ys[1], ys[2:]
       visible = _visible(qmi, kmj, mask.window)
-
-      def tile(carry):
-        m, l, acc = carry
-        s, _ = _scores(qi, kj, visible, scale, cap)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(visible[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        acc = acc * correction[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vj.dtype), vj,
-                                                       preferred_element_type=jnp.float32)
-        return m_new, l * correction + p.sum(-1), acc
-
+      tile = lambda carry: _tile(qi, kj, vj, visible, scale, cap, carry)
       return jax.lax.cond(visible.any(), tile, lambda c: c, carry), None
 
-    stats = qi.shape[:-1]
-    init = (jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(qi.shape, jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(k_step, init, (kb, vb, *km))
-    seen = l > 0
-    out = acc / jnp.where(seen, l, 1.0)[..., None]
-    return out.astype(q.dtype), jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _EMPTY_LSE)
+    return _finish(qi, *jax.lax.scan(k_step, _start(qi), (kb, vb, *km))[0])
 
   out, lse = jax.lax.map(q_block, (_blocks(q, 3, bq), *qm))
   return _unblocks(out, 3), _unblocks(lse, 3)
+
+
+def _one_tile(q, k, bq, bk):
+  """Whether the (padded) queries and keys are one tile: then attention is straight-line code,
+  with no loop, skip test or second backward pass (the trainer's short rows)."""
+  return q.shape[3] == bq and k.shape[3] == bk
 
 
 def _tile_grads(qi, kj, vj, doi, lsei, deltai, visible, scale, cap):
@@ -151,6 +171,12 @@ def _attend_fwd(q, k, v, mask, scale, cap, bq, bk):
 def _attend_bwd(scale, cap, bq, bk, residuals, d_out):
   q, k, v, mask, out, lse = residuals
   delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, KV, G, T]
+  if _one_tile(q, k, bq, bk):  # one pass: each of the tile's probabilities and score gradients made once
+    p, ds = _tile_grads(q, k, v, d_out, lse, delta, mask.dense(), scale, cap)
+    dq = jnp.einsum("bhgqk,bhdk->bhgqd", ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bhgqk,bhgqd->bhdk", ds, q, preferred_element_type=jnp.float32)
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out, preferred_element_type=jnp.float32)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jax.tree.map(lambda x: None, mask)
   qm, km = _tiles(mask, bq, bk)
   qb, dob, lseb, deltab = _blocks(q, 3, bq), _blocks(d_out, 3, bq), _blocks(lse, 3, bq), _blocks(delta, 3, bq)
   kb, vb = _blocks(k, 3, bk), _blocks(v, 2, bk)

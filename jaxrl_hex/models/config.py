@@ -48,6 +48,11 @@ DEFAULTS = dict(
     # Blockwise attention (masks given as models.attention.Segments: the trainer's rows) works on
     # tiles of this many queries by this many keys, so its memory is linear in the sequence length.
     attention_block=512,
+    # Who computes that attention where queries attend their own row's tokens (the trainer's rows, a
+    # prompt's prefill): "auto" the kernel JAX ships for the platform (Pallas: Triton on GPU, Mosaic on
+    # TPU) where it computes the same, the portable blockwise path elsewhere and on CPU; "portable"
+    # always the portable path; "pallas" the kernels wherever they apply, on CPU interpreted (tests).
+    attention_kernel="auto",
     # The trainer runs the output head over chunks of this many positions (rl.layout), so it holds
     # fp32 logits [rows, logprob_chunk, vocab], never a micro-batch's [rows, length, vocab].
     logprob_chunk=256,
@@ -62,7 +67,8 @@ DEFAULTS = dict(
 CHOICES = {
     "norm_style": ("rms", "gemma"),
     "mlp_activation": ("silu", "gelu_tanh", "gelu"),
-    "remat": ("none", "full", "dots")
+    "remat": ("none", "full", "dots"),
+    "attention_kernel": ("auto", "portable", "pallas"),
 }
 LAYER_TYPES = ("full", "sliding")
 # The projections LoRA may adapt: PEFT module name (as in HF checkpoints, under model.layers.<i>.) ->

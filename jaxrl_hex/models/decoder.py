@@ -31,8 +31,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from jaxrl_hex.models import lora
-from jaxrl_hex.models.attention import Segments, blockwise_attention
+from jaxrl_hex.models import kernels, lora
+from jaxrl_hex.models.attention import Segments
 from jaxrl_hex.models.config import is_sliding
 from jaxrl_hex.models.sharding import constrain
 
@@ -151,7 +151,9 @@ class Attention(nnx.Module):
     self.rope_args = rope_settings(cfg, sliding)
     self.scale = (cfg.query_pre_attn_scalar or hd)**-0.5
     self.logit_cap = cfg.attn_logit_softcap
-    self.block = cfg.attention_block
+    self.block, self.kernel = cfg.attention_block, cfg.attention_kernel
+    # A layer that may slide: scanned layers learn their window only as the scan runs.
+    self.windowed = sliding or (cfg.scan_layers and any(is_sliding(cfg, i) for i in range(cfg.n_layers)))
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x, table, mask, cache, cache_index, key=None):
@@ -179,7 +181,8 @@ class Attention(nnx.Module):
     g = h // kv
     q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
     if isinstance(mask, Segments):
-      out = blockwise_attention(q, keys.astype(dt), values.astype(dt), mask, self.scale, self.logit_cap, self.block)
+      out = kernels.attention(q, keys.astype(dt), values.astype(dt), mask, self.scale, self.logit_cap, self.block,
+                              self.kernel, self.windowed)
     else:  # plain batched matmuls in the order XLA:CPU runs fast: [B, KV, G*T, hd] @ [B, KV, hd, S]
       scores = jnp.matmul(q.reshape(b, kv, g * t, hd), keys.astype(dt)).astype(jnp.float32)
       scores = softcap(scores.reshape(b, kv, g, t, -1) * self.scale, self.logit_cap)

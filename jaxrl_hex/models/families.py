@@ -57,7 +57,7 @@ HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 # Fields of ours that only set precision; everything else must survive a trip through config.json.
 PRECISION_FIELDS = ("dtype", "param_dtype")
 # Fields of ours that only set how the program runs (not what it computes): config.json has none.
-EXECUTION_FIELDS = ("scan_layers", "remat", "attention_block", "logprob_chunk")
+EXECUTION_FIELDS = ("scan_layers", "remat", "attention_block", "attention_kernel", "logprob_chunk")
 
 
 def read_config(model_dir: str) -> dict:

@@ -28,8 +28,14 @@ def activation_sharding(to_sharding):
     _TO_SHARDING.reset(token)
 
 
+def logical_sharding(axes, shape):
+  """The sharding an activation of `shape` with logical `axes` takes under the caller's
+  activation_sharding, or None (none set, or the dims do not divide)."""
+  to_sharding = _TO_SHARDING.get()
+  return None if to_sharding is None else to_sharding(axes, shape)
+
+
 def constrain(x, axes):
   """x with the sharding its logical `axes` map to, when a caller set activation_sharding."""
-  to_sharding = _TO_SHARDING.get()
-  sharding = None if to_sharding is None else to_sharding(axes, x.shape)
+  sharding = logical_sharding(axes, x.shape)
   return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)

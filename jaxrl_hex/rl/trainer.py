@@ -14,6 +14,7 @@ adapter's B zero). Without LoRA `frozen` is empty and `params` is the whole mode
 import dataclasses
 import functools
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +32,60 @@ from jaxrl_hex.rl.objectives import StartInputs
 
 
 def make_optimizer(optim, total_steps: int):
-  schedule = optax.warmup_cosine_decay_schedule(0.0, optim.lr, min(optim.warmup_steps, max(total_steps - 1, 1)),
-                                                max(total_steps, 2), end_value=optim.lr * optim.end_lr_ratio)
-  return optax.chain(optax.clip_by_global_norm(optim.grad_clip),
-                     optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
+  """Gradient clipping and AdamW under a linear warmup to optim.lr and a cosine decay to
+  lr * end_lr_ratio at total_steps (optax.adamw with optax.warmup_cosine_decay_schedule), the
+  schedule's settings held in the optimizer state (scale_by_warmup_cosine)."""
+  end = optim.lr * optim.end_lr_ratio
+  settings = dict(lr=optim.lr, warmup=min(optim.warmup_steps, max(total_steps - 1, 1)), decay=max(total_steps, 2),
+                  alpha=end / optim.lr if optim.lr else 0.0)  # alpha as optax computes it, in float64
+  adamw = optax.chain(optax.scale_by_adam(b1=optim.b1, b2=optim.b2), optax.add_decayed_weights(optim.weight_decay),
+                      scale_by_warmup_cosine(settings))
+  return optax.chain(optax.clip_by_global_norm(optim.grad_clip), adamw)
+
+
+class ScheduleState(NamedTuple):
+  """scale_by_warmup_cosine's state: the update count and the schedule's settings as fp32 scalars,
+  inputs of the update program rather than constants compiled into it, so runs that differ only
+  in optim.lr, warmup_steps, end_lr_ratio or train.steps share one compiled update."""
+  count: jax.Array  # int32 []
+  settings: dict  # lr, warmup, decay, alpha (end lr / lr): fp32 []
+
+
+def warmup_cosine(count, lr, warmup, decay, alpha):
+  """optax.warmup_cosine_decay_schedule(0, lr, warmup, decay, alpha * lr)(count), its settings traced."""
+  ramp = lr - lr * (1 - jnp.clip(count, 0, warmup) / jnp.where(warmup > 0, warmup, 1))
+  cosine = 0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(count - warmup, decay - warmup) / (decay - warmup)))
+  return jnp.where(count < warmup, ramp, lr * ((1 - alpha) * cosine + alpha))
+
+
+def scale_by_warmup_cosine(settings: dict) -> optax.GradientTransformation:
+  """optax.scale_by_learning_rate(warmup_cosine schedule) with the settings in its state."""
+
+  def init(params):
+    del params
+    return ScheduleState(jnp.zeros([], jnp.int32), {k: jnp.float32(v) for k, v in settings.items()})
+
+  def update(updates, state, params=None):
+    del params
+    step = -warmup_cosine(state.count, **state.settings)
+    return jax.tree.map(lambda g: step.astype(g.dtype) * g, updates), ScheduleState(optax.safe_increment(state.count),
+                                                                                    state.settings)
+
+  return optax.GradientTransformation(init, update)
+
+
+def saved_opt_state(opt_state):
+  """The optimizer state as a checkpoint holds it: each ScheduleState as the count alone
+  (optax.ScaleByScheduleState, as optax.adamw's schedule keeps it), so checkpoints keep their
+  layout and a resumed run takes its schedule from its own config."""
+  return jax.tree.map(lambda x: optax.ScaleByScheduleState(x.count)
+                      if isinstance(x, ScheduleState) else x, opt_state, is_leaf=lambda x: isinstance(x, ScheduleState))
+
+
+def loaded_opt_state(saved, current):
+  """The inverse of saved_opt_state: the saved counts with the current state's schedule settings."""
+  return jax.tree.map(lambda c, s: c._replace(count=s.count) if isinstance(c, ScheduleState) else s, current, saved,
+                      is_leaf=lambda x: isinstance(x, ScheduleState))
 
 
 def critic_model(policy) -> Policy:
@@ -153,18 +204,20 @@ class Trainer:
   def state(self) -> dict:
     """Everything a checkpoint must hold to resume this trainer (with LoRA not the base: the run
     names where it came from)."""
-    state = {"params": self.params, "opt_state": self.opt_state}
+    state = {"params": self.params, "opt_state": saved_opt_state(self.opt_state)}
     if self.ref_params is not None:
       state["ref_params"] = self.ref_params
     if self.critic is not None:
-      state["critic"] = {"params": self.critic_params, "opt_state": self.critic_opt_state}
+      state["critic"] = {"params": self.critic_params, "opt_state": saved_opt_state(self.critic_opt_state)}
     return state
 
   def load_state(self, state: dict, version: int):
-    self.params, self.opt_state, self.version = state["params"], state["opt_state"], version
+    self.params, self.version = state["params"], version
+    self.opt_state = loaded_opt_state(state["opt_state"], self.opt_state)
     self.ref_params = state.get("ref_params", self.ref_params)
     if "critic" in state:
-      self.critic_params, self.critic_opt_state = state["critic"]["params"], state["critic"]["opt_state"]
+      self.critic_params = state["critic"]["params"]
+      self.critic_opt_state = loaded_opt_state(state["critic"]["opt_state"], self.critic_opt_state)
 
 
 def optimizer_shardings(pool, tx, param_shardings, param_shapes):

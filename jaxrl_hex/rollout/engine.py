@@ -621,15 +621,16 @@ class Engine:
     return functools.partial(S.prefill, self.policy)
 
   def _decode_fn(self, span):
-    sampling = dict(self.sampling, temperature=0.0) if self.greedy else self.sampling
-    return functools.partial(S.decode, self.policy, sampling, self.eos_ids, self.steps_per_sync, span,
+    """The decode program of a span; the temperature is its input (_decode_args), so greedy
+    evaluation and sampled rollouts run the same program."""
+    return functools.partial(S.decode, self.policy, self.sampling, self.eos_ids, self.steps_per_sync, span,
                              logits_sharding=self.pool.sharding(("batch", None)))
 
   def _init_state(self):
     return S.init_state(self.policy.cfg, self.layout, self.cache_dtype)
 
   def _decode(self, stop_on_finish: bool):
-    args = (self._live, np.bool_(stop_on_finish))
+    args = self._decode_args(self._live, stop_on_finish)
     if self.paged:
       reach = max(self._blocks_needed(self._seqs[s]) for s in np.flatnonzero(self._live)) * self.layout.page
       span = self._span(reach)
@@ -639,8 +640,8 @@ class Engine:
       args += () if rows is None else (rows,)
     else:
       span = self._span(self._t + self.steps_per_sync)
-    fn = self._compile(("decode", self.greedy, span, len(args[2]) if len(args) > 2 else self.num_slots),
-                       self._decode_fn(span), self.params, self._state, *args, host_outputs=True)
+    fn = self._compile(("decode", span, len(args[-1]) if len(args) > 3 else self.num_slots), self._decode_fn(span),
+                       self.params, self._state, *args, host_outputs=True)
     t0 = time.perf_counter()
     self._state, out = fn(self.params, self._state, *args)
     out = to_host(out)
@@ -799,8 +800,8 @@ class Engine:
     for span in spans:
       for r in buckets:
         rows = () if r == buckets[-1] else (np.zeros(r * self.layout.shards, np.int32),)
-        self._compile(("decode", self.greedy, span, len(rows[0]) if rows else self.num_slots), self._decode_fn(span),
-                      params, state, *self._decode_args(), *rows, host_outputs=True)
+        self._compile(("decode", span, len(rows[0]) if rows else self.num_slots), self._decode_fn(span), params, state,
+                      *self._decode_args(), *rows, host_outputs=True)
     if self.interrupt == "recompute" and not self.paged:
       self._compile(("recompute",), functools.partial(S.recompute, self.policy), params, state)
     reuse = self.paged and self.reuse_kv  # else a turn is a prefill of its whole row
@@ -819,8 +820,11 @@ class Engine:
     args = (params, state, *self._decode_args())
     return self._jit(self._decode_fn(span or self._width), len(args), host_outputs=True), args
 
-  def _decode_args(self):
-    return np.zeros(self.num_slots, bool), np.bool_(False)
+  def _decode_args(self, live=None, stop_on_finish=False):
+    """(live [S], stop_on_finish, temperature): the decode program's inputs before rows."""
+    temperature = 0.0 if self.greedy else self.sampling["temperature"]
+    live = np.zeros(self.num_slots, bool) if live is None else live
+    return live, np.bool_(stop_on_finish), np.float32(temperature)
 
   def _abstract_state(self):
     """(params, state) as ShapeDtypeStructs carrying their shardings on the pool."""

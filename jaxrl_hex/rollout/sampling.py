@@ -35,15 +35,19 @@ def top_p_cutoff(scaled, top_p: float):
   return jnp.min(jnp.where(scaled >= lo, scaled, jnp.inf), axis=-1, keepdims=True)
 
 
-def sample(logits, rng, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+def sample(logits, rng, temperature, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
   """logits [B, V] fp32 -> (tokens [B] int32, logprobs [B]). temperature 0 is greedy.
+  temperature: a Python float (a constant of the program) or a traced scalar, so one program
+  serves greedy and sampled decoding (argmax then replaces the draw where it is 0).
   rng: one key for the batch, or [B] keys, one per row (a row's draw then depends on its own key
   only, not on which rows share the batch)."""
-  if temperature == 0.0:
+  static = isinstance(temperature, (int, float))
+  if static and temperature == 0.0:
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
   else:
-    scaled = logits / temperature
+    greedy = None if static else temperature == 0.0
+    scaled = logits / (temperature if static else jnp.where(greedy, 1.0, temperature))
     logprobs = jax.nn.log_softmax(scaled, axis=-1)
     filtered = scaled
     if top_k and top_k < logits.shape[-1]:
@@ -56,6 +60,8 @@ def sample(logits, rng, temperature: float, top_k: int = 0, top_p: float = 1.0, 
       floor = jnp.max(filtered, axis=-1, keepdims=True) + jnp.log(min_p)
       filtered = jnp.where(filtered < floor, -jnp.inf, filtered)
     token = inverse_cdf_sample(filtered, rng)
+    if greedy is not None:
+      token = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), token)
   return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
 

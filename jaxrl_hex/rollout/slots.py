@@ -327,10 +327,13 @@ def put_rows(full: DecodeState, small: DecodeState, rows) -> DecodeState:
   return dataclasses.replace(full, cache=small.cache, **{f: put(f) for f in PER_SLOT})
 
 
-def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, stop_on_finish, rows=None,
-           logits_sharding=None) -> tuple[DecodeState, Decoded]:
+def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, stop_on_finish,
+           temperature=None, rows=None, logits_sharding=None) -> tuple[DecodeState, Decoded]:
   """Up to max_steps decode steps over the slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
+
+  temperature: a runtime scalar (0: greedy), so sampled and greedy decoding share one program;
+  None: sampling's own, a constant of the program.
 
   Attention reads the cache columns [0, span) of the layout only (ring columns; positions of a
   paged slot): the caller promises that every live column and every column these steps write
@@ -342,6 +345,7 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
   slots left idle by a long tail cost nothing; the outputs are still [.., S].
   """
   whole, slots = state, state.pos.shape[0]
+  temperature = sampling["temperature"] if temperature is None else temperature
   if rows is not None:
     state, live = take_rows(state, rows), live[rows]
   full, narrowed = state, span < state.kv.width
@@ -359,7 +363,7 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
     logits = logits[:, -1] if logits_sharding is None else jax.lax.with_sharding_constraint(
         logits[:, -1], logits_sharding)
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(st.key), st.count)  # [S]: token count of slot s
-    token, logprob = sample(logits, keys, **sampling)
+    token, logprob = sample(logits, keys, **dict(sampling, temperature=temperature))
     count = st.count + live
     finished = live & (jnp.isin(token, eos) | (count >= st.max_new))
     st = dataclasses.replace(st, cache=cache, kv=kv, pending=token, pos=st.pos + 1, count=count)

@@ -3,27 +3,25 @@
 publish(): each trainer process puts only the shards it owns (replica 0 of each addressable
 shard), packed into chunks of up to CHUNK_BYTES, and returns a manifest piece {leaf path:
 [(index, (ref, position in chunk))]}; the driver merges the pieces of all processes into one
-Handle. receive(): a rollout process builds every parameter with jax.make_array_from_callback,
-fetching only the chunks holding source shards that overlap the region each of its devices
-holds, so no process gathers much more of the model than its devices hold.
+Handle. receive(): a rollout process assembles each distinct region its devices hold once, from
+zero-copy views of the chunks holding source shards that overlap it (sync/regions.py), fetching
+only those chunks, so no process gathers much more of the model than its devices hold. Two
+copies in all: into the object store, and out of it into the receiving layout.
 """
+import functools
 import time
 
 import jax
 import numpy as np
 
 from jaxrl_hex.sync.handle import Handle, target_structs
+from jaxrl_hex.sync.regions import RegionPlan, bounds
 
 CHUNK_BYTES = 64 << 20  # a receiver fetches whole chunks: bounds what it holds beyond its own shards
 
 
 def _key(path) -> str:
   return jax.tree_util.keystr(path)
-
-
-def _bounds(index, shape):
-  """A tuple of slices -> ((start, stop), ...) with Nones resolved."""
-  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 def merge_manifests(version, pieces) -> Handle:
@@ -38,7 +36,7 @@ class DirectSync:
   cross_process = True
 
   def __init__(self, shapes, target_shardings=None):
-    self._target = None if target_shardings is None else target_structs(shapes, target_shardings)
+    self._plan = None if target_shardings is None else RegionPlan(target_structs(shapes, target_shardings))
     self.last_seconds = 0.0
 
   def publish_local(self, params) -> dict:
@@ -69,43 +67,32 @@ class DirectSync:
             flush()
           chunk.append(data)
           chunk_bytes += data.nbytes
-          waiting.append((entry, _bounds(s.index, leaf.shape)))
+          waiting.append((entry, bounds(s.index, leaf.shape)))
     flush()
     self.last_seconds = time.perf_counter() - start
     return piece
+
+  def settle(self) -> float:
+    return 0.0  # publish() returns once its copy is made: nothing of it runs on
 
   def publish(self, version, params) -> Handle:
     return merge_manifests(version, [self.publish_local(params)])
 
   def receive(self, handle: Handle):
+    """Each distinct region of the rollout layout assembled once from the object store's zero-copy
+    views of the chunks overlapping it (sync/regions.py); a chunk is fetched on first use."""
     import ray
     start = time.perf_counter()
+    chunks = {}  # ref -> its list of shards
 
-    chunks = {}  # ref -> its list of shards, fetched on first use
+    def fetch(ref, i):
+      if ref not in chunks:
+        chunks[ref] = ray.get(ref)
+      return chunks[ref][i]
 
-    def build(path, target):
-      shards = handle.payload[_key(path)]
+    def sources_of(_, path):
+      return [(src, functools.partial(fetch, ref, i)) for src, (ref, i) in handle.payload[_key(path)]]
 
-      def region(index):
-        want = _bounds(index, target.shape)
-        out = np.empty([b - a for a, b in want], target.dtype)
-        covered = 0
-        for src, (ref, i) in shards:
-          lo = [max(a, c) for (a, _), (c, _) in zip(want, src)]
-          hi = [min(b, d) for (_, b), (_, d) in zip(want, src)]
-          if any(h <= l for l, h in zip(lo, hi)):
-            continue
-          if ref not in chunks:
-            chunks[ref] = ray.get(ref)  # zero-copy views of the object store
-          data = chunks[ref][i]
-          out[tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, want))] = \
-              data[tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, src))]
-          covered += int(np.prod([h - l for l, h in zip(lo, hi)]))
-        assert covered == out.size, f"direct sync: shards of {_key(path)} do not cover {want}"
-        return out
-
-      return jax.make_array_from_callback(target.shape, target.sharding, region)
-
-    params = jax.tree_util.tree_map_with_path(build, self._target)
+    params = self._plan.build(sources_of)
     self.last_seconds = time.perf_counter() - start
     return handle.version, params

@@ -57,14 +57,20 @@ def test_recipe_takes_architecture_tokenizer_and_prompts_from_the_model_dir(tmp_
   from jaxrl_hex.models.hf import hf_model_config
   from jaxrl_hex.runtime import build_runtime
   _model_dir(str(tmp_path))
-  cfg = load_config("configs/gsm8k_grpo.py", **{
-      "model_dir": str(tmp_path),
-      "task_args.train_file": SAMPLE,
-      "task_args.eval_size": 4
-  })
+  cfg = load_config(
+      "configs/gsm8k_grpo.py",
+      **{
+          "model_dir": str(tmp_path),
+          "task_args.train_file": SAMPLE,
+          "task_args.eval_size": 4,
+          "model.remat": "full",  # how to run it stays the run's (was reset to the defaults)
+          "model.logprob_chunk": 96
+      })
   rt = build_runtime(cfg)
-  want = hf_model_config(str(tmp_path), dtype="bfloat16", param_dtype="float32")
-  assert rt.policy.cfg == want and rt.policy.cfg.qkv_bias
+  want = hf_model_config(str(tmp_path), dtype="bfloat16", param_dtype="float32", remat="full", logprob_chunk=96,
+                         scan_layers=cfg.model.scan_layers, attention_block=cfg.model.attention_block,
+                         attention_kernel=cfg.model.attention_kernel)
+  assert rt.policy.cfg == want and rt.policy.cfg.qkv_bias and rt.policy.cfg.remat == "full"
   assert (len(rt.task.train), len(rt.task.eval)) == (12, 4)
   assert rt.task.eval[0]["prompt"].startswith("<|im_start|>user\nA baker makes 14 loaves")
   assert rt.task.eval[0]["prompt"].endswith("within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")

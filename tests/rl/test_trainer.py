@@ -4,6 +4,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from support import load_config
 
@@ -17,7 +18,7 @@ from jaxrl_hex.rl.batch import TrainBatch
 from jaxrl_hex.rl.layout import TokenData, token_logprobs
 from jaxrl_hex.rl.losses import LOSSES, LossInputs, behaviour_weight
 from jaxrl_hex.rl.objectives import make_rl_loss
-from jaxrl_hex.rl.trainer import Trainer, make_optimizer
+from jaxrl_hex.rl.trainer import Trainer, loaded_opt_state, make_optimizer, saved_opt_state
 
 N, P, C = 16, 8, 6
 
@@ -190,6 +191,47 @@ def test_ppo_critic_learns_and_its_state_round_trips(setup, pools):
   other.load_state(state, 3)
   np.testing.assert_array_equal(other.critic_params["lm_head"], head)
   assert other.version == 3
+
+
+def _adamw_as_before(optim, total_steps):
+  """make_optimizer as it was, the schedule compiled into the update: what checkpoints hold."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, optim.lr, min(optim.warmup_steps, max(total_steps - 1, 1)),
+                                                max(total_steps, 2), end_value=optim.lr * optim.end_lr_ratio)
+  return optax.chain(optax.clip_by_global_norm(optim.grad_clip),
+                     optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
+
+
+@pytest.mark.parametrize("lr,warmup,steps,end", [(1e-3, 3, 8, 0.1), (3e-4, 0, 5, 1.0), (5e-4, 10, 1, 0.0)])
+def test_optimizer_updates_as_optax_adamw_with_its_schedule_and_checkpoints_as_it(lr, warmup, steps, end):
+  optim = load_config(**{"optim.lr": lr, "optim.warmup_steps": warmup, "optim.end_lr_ratio": end}).optim
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.ones(3)}
+  new, old = make_optimizer(optim, steps), _adamw_as_before(optim, steps)
+  new_state, old_state = new.init(params), old.init(params)
+  for i in range(steps + 2):  # through the warmup, the decay and past its end
+    grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), params)
+    new_updates, new_state = jax.jit(new.update)(grads, new_state, params)
+    old_updates, old_state = jax.jit(old.update)(grads, old_state, params)
+    jax.tree.map(np.testing.assert_array_equal, new_updates, old_updates)
+  saved = saved_opt_state(new_state)
+  assert jax.tree.structure(saved) == jax.tree.structure(old_state)  # old checkpoints restore as they are
+  jax.tree.map(np.testing.assert_array_equal, saved, old_state)
+  other = make_optimizer(load_config(**{"optim.lr": 2 * lr}).optim, steps + 10).init(params)
+  resumed = loaded_opt_state(saved, other)  # the checkpoint's count and moments, the resuming run's schedule
+  assert int(resumed[1][2].count) == steps + 2 and float(resumed[1][2].settings["lr"]) == np.float32(2 * lr)
+  np.testing.assert_array_equal(resumed[1][0].mu["w"], new_state[1][0].mu["w"])
+
+
+def test_runs_differing_in_lr_and_steps_share_one_update_program():
+  params = {"w": jnp.ones((4, 3))}
+  text = lambda tx: jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  base = load_config().optim
+  assert text(make_optimizer(base, 10)) == text(
+      make_optimizer(load_config(**{
+          "optim.lr": 1e-3,
+          "optim.warmup_steps": 7,
+          "optim.end_lr_ratio": 0.5
+      }).optim, 500))
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,7 @@ def test_a_fresh_batch_decodes_on_the_ring_columns_it_has_written(pools, weights
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), narrow, whole)
 
   samples = run(engine, [])  # 40 steps from column 15: spans 28, 42 and the whole ring
-  assert {key[2] for key in engine._fns if key[0] == "decode"} == {28, 42, 56}
+  assert {key[1] for key in engine._fns if key[0] == "decode"} == {28, 42, 56}
   assert sorted(len(s.tokens) for s in samples) == [23, 23, 40, 40]
   assert_parity(policy, {0: params}, samples)
 
@@ -157,7 +157,7 @@ def test_a_sliding_window_model_decodes_as_the_trainer_scores(pools):
   engine.load_weights(0, params)
   budgets = {"12+34=": 24, "7=": 5, "99+1=": 12, "3+3=": 20}
   samples = run(engine, [Request(p, max_tokens=b) for p, b in budgets.items()])
-  assert {key[2] for key in engine._fns if key[0] == "decode"} == {20, 30, 40}
+  assert {key[1] for key in engine._fns if key[0] == "decode"} == {20, 30, 40}
   assert sorted(len(s.tokens) for s in samples) == sorted(budgets.values())
   assert_parity(policy, {0: params}, samples)
 

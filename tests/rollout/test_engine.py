@@ -57,8 +57,10 @@ def test_same_rng_same_samples_and_greedy_is_deterministic(setup):
   a = engine.generate(PROMPTS, 2, jax.random.key(5))
   b = engine.generate(PROMPTS, 2, jax.random.key(5))
   np.testing.assert_array_equal(a.completion, b.completion)
+  compiled = engine.compile_count
   g1 = engine.generate(PROMPTS, 2, jax.random.key(1), greedy=True)
   g2 = engine.generate(PROMPTS, 2, jax.random.key(2), greedy=True)
+  assert engine.compile_count == compiled  # the temperature is an input: greedy runs the sampled programs
   np.testing.assert_array_equal(g1.completion, g2.completion)
   np.testing.assert_array_equal(g1.completion[0::2], g1.completion[1::2])  # a group is identical
 

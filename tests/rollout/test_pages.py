@@ -94,7 +94,7 @@ def test_a_pool_that_runs_dry_preempts_and_recomputes_without_loss(pools, weight
   assert paged.preemptions > 0 and paged.blocks.held == 0
   assert_parity(policy, {0: params}, mine)
   # calls ran on fewer slots than the engine's 8 (slots.decode's rows): 1 or 2 of each shard's 4
-  sizes = {key[3] for key in paged._fns if key[0] == "decode"}
+  sizes = {key[2] for key in paged._fns if key[0] == "decode"}
   assert sizes - {8} and sizes <= {2, 4, 8}
 
 

@@ -13,6 +13,17 @@ def test_greedy_and_its_logprob():
   np.testing.assert_allclose(lp[0], jax.nn.log_softmax(LOGITS[0])[0], rtol=1e-6)
 
 
+def test_a_runtime_temperature_draws_as_the_constant_one_and_zero_is_greedy():
+  logits = jax.random.normal(jax.random.key(5), (64, 512)) * 3
+  keys = jax.random.split(jax.random.key(6), 64)
+  traced = jax.jit(lambda t: sample(logits, keys, t, top_k=50, top_p=0.9))
+  for temperature in (0.0, 0.7, 1.0):
+    want = sample(logits, keys, temperature, top_k=50, top_p=0.9)
+    got = traced(np.float32(temperature))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+
+
 def test_top_k_only_picks_the_k_best_and_reports_untruncated_logprob():
   tokens, lps = sample(LOGITS, jax.random.key(1), temperature=2.0, top_k=2)
   assert set(np.unique(tokens)) == {0, 1}

@@ -5,7 +5,7 @@ import pytest
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.policy import Policy
-from jaxrl_hex.sync import direct, make_sync
+from jaxrl_hex.sync import device_put, direct, make_sync, regions
 from jaxrl_hex.sync.handle import Handle
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -62,3 +62,42 @@ def test_unwritable_sync_directory_is_refused(tmp_path):
   blocker.write_text("")
   with pytest.raises(UserError, match="sync.directory: cannot write"):
     make_sync("orbax", {}, None, str(blocker / "sync"))
+
+
+def _layouts(pools):
+  policy = Policy.build(CFG)
+  return (policy, pools["train"].shardings_for(policy.logical_axes(), policy.shapes()),
+          pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes()))
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host-assembled", "device-to-device"])
+def test_a_published_version_keeps_its_values_after_later_steps_donate_the_params(pools, host, monkeypatch):
+  if not host:  # the accelerators' path: an async device_put the runtime orders before the donation
+    monkeypatch.setattr(device_put, "_on_cpu", lambda _: False)
+  policy, train_sh, rollout_sh = _layouts(pools)
+  sync = make_sync("device_put", policy.shapes(), rollout_sh)
+  step = jax.jit(lambda p: jax.tree.map(lambda x: x * 2 + 1, p), donate_argnums=0, out_shardings=train_sh)
+  params = policy.init(1, train_sh)
+  want = jax.device_get(params)
+  handle = sync.publish(1, params)
+  for _ in range(3):  # as LocalTrainSide.step: a publish's copy still running ends before the donation
+    sync.settle()
+    params = step(params)
+  assert_same_values(sync.receive(handle)[1], want)
+
+
+def test_host_assembled_versions_share_replicas_and_never_overwrite_a_held_one(pools):
+  policy, train_sh, rollout_sh = _layouts(pools)
+  sync = make_sync("device_put", policy.shapes(), rollout_sh)
+  held = []  # (params published, params received): all alive at once, as an engine's and the next
+  for version in range(1, 7):
+    params = policy.init(version, train_sh)
+    held.append((jax.device_get(params), sync.receive(sync.publish(version, params))[1]))
+  for want, got in held:
+    assert_same_values(got, want)
+  # data=2 replicates every leaf: both replicas of a region are one host buffer (one copy, not two)
+  wq = held[-1][1]["layers"][0]["attn"]["wq"]
+  pointers = {}
+  for shard in wq.addressable_shards:
+    pointers.setdefault(regions.bounds(shard.index, wq.shape), set()).add(shard.data.unsafe_buffer_pointer())
+  assert len(pointers) == 2 and all(len(p) == 1 for p in pointers.values())

@@ -1,0 +1,257 @@
+"""The GPU check of issue 20, one prepared command of a few minutes on one accelerator:
+
+  decode  a ~1B-parameter bf16 decoder through the engine's decode step: tokens/s and the share of
+          the HBM roofline (bytes one step must read: every weight + the KV columns it attends
+          over, per second, against the device-to-device copy rate measured here)
+  train   the real Trainer's GRPO update (AdamW, bf16) on the same model: MFU = model FLOPs per
+          step (6 x matmul params x tokens + causal attention) / step time / the chip's peak
+          (catalog bf16_tflops), and the share of a large bf16 matmul's rate measured here
+  sync    weight sync of the same params: device_put onto a second buffer (DevicePutSync) against
+          the copy rate, and Orbax save + restore (when orbax is installed) against the disk's
+          write + fsync + read rate
+
+One JSON object on stdout per part and all of them in $OUT/gpu_check.json when OUT is set.
+
+  PYTHONPATH=$PWD python3 benchmarks/gpu_check.py [--part decode|train|sync|all] [--smoke]
+
+--smoke runs a tiny model on any device (CPU here) to check the script itself.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+# ~1.0B parameters: 18 layers x 47.2M + 2 x 32000 x 2048 embeddings (untied)
+MODEL = dict(vocab_size=32000, d_model=2048, n_layers=18, n_heads=16, n_kv_heads=8, head_dim=128, mlp_dim=5632,
+             dtype="bfloat16", param_dtype="bfloat16")
+# fp32: XLA:CPU compiles bf16 programs slowly (minutes)
+SMOKE = dict(MODEL, n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, mlp_dim=512, vocab_size=1024,
+             dtype="float32", param_dtype="float32")
+
+
+def copy_rate(nbytes, repeats=20) -> float:
+  """Bytes per second a device-to-device copy of an nbytes array moves (each byte read once and
+  written once: a weight sync's own bound)."""
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+  copy(x).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(repeats):
+    x = copy(x)
+  x.block_until_ready()
+  return nbytes * repeats / (time.perf_counter() - t0)
+
+
+def matmul_flops(n, repeats=10) -> float:
+  """FLOP/s of an n x n x n bf16 matmul chain: what the chip's matmul units reach here."""
+  a = jnp.ones((n, n), jnp.bfloat16) / n
+  chain = jax.jit(lambda x: x @ a)
+  x = chain(a).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(repeats):
+    x = chain(x)
+  x.block_until_ready()
+  return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
+def peak_flops(device) -> float | None:
+  """bf16 FLOP/s of the device's type in the planner's catalog (None for an unlisted type)."""
+  try:
+    from jaxrl_hex.planner.catalog import load_catalog
+  except ImportError:  # the catalog needs PyYAML, which a bare accelerator image may lack
+    return None
+  kind = str(device.device_kind).upper()
+  matches = [d for name, d in load_catalog().items() if name.upper() in kind]
+  return max(matches, key=lambda d: len(d.name)).flops if matches else None
+
+
+class Tok:  # token ids in, ids out: no text involved
+  pad_id, bos_id = 0, 1
+
+  def __init__(self, vocab):
+    self.eos_id = vocab  # unreachable: every sequence runs its budget
+
+  def decode(self, ids):
+    return ""
+
+
+def build(model):
+  from jaxrl_hex import meshes
+  from jaxrl_hex.models.config import model_config
+  from jaxrl_hex.models.policy import Policy
+  cfg = model_config(**model)
+  pool = meshes.Pool(meshes.PoolSpec("pool", (0,), {}, dict(meshes.DEFAULT_RULES)), jax.devices()[:1])
+  policy = Policy.build(cfg)
+  return cfg, pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
+
+
+def part_decode(model, args) -> dict:
+  from jaxrl_hex.models.config import param_count
+  from jaxrl_hex.models.policy import param_bytes
+  from jaxrl_hex.rollout.engine import Engine, Request
+  cfg, pool, policy, params = build(model)
+  engine = Engine(policy, pool, Tok(model["vocab_size"]), args.new, temperature=1.0, slots=args.slots,
+                  max_prompt_len=args.prompt, steps_per_sync=args.chunk)
+  engine.load_weights(0, params)
+  rng = np.random.default_rng(0)
+  prompts = [[1] + rng.integers(3, model["vocab_size"], args.prompt - 1).tolist() for _ in range(args.slots)]
+
+  def run(seed):
+    """-> (seconds, ring columns attended) of each hand-back (the first includes the prefill)."""
+    engine.rng = jax.random.key(seed)
+    engine.submit([Request(p) for p in prompts])
+    chunks = []
+    while engine.pending:
+      span = engine._span(engine._t + engine.steps_per_sync)  # what this hand-back's decode reads
+      t0 = time.perf_counter()
+      engine.poll()
+      chunks.append((time.perf_counter() - t0, span))
+    return chunks
+
+  t0 = time.perf_counter()
+  run(0)  # compiles prefill + decode
+  compile_s = time.perf_counter() - t0
+  chunks = [c for seed in (1, 2) for c in run(seed)[1:]]  # hand-backs of pure decode steps
+  step_s = sum(t for t, _ in chunks) / (len(chunks) * args.chunk)
+  bandwidth = 2 * copy_rate(args.copy_bytes)  # read + written bytes per second
+  kv_bytes = engine.memory["kv_cache_bytes"]
+  bytes_per_step = int(param_bytes(params) + kv_bytes * np.mean([span for _, span in chunks]) / engine.length)
+  return dict(params=param_count(cfg), slots=args.slots, prompt=args.prompt, new_tokens=args.new,
+              compile_and_first_run_s=round(compile_s, 2), decode_step_ms=round(step_s * 1e3, 3),
+              decode_tokens_per_s=round(args.slots / step_s,
+                                        1), weight_bytes=param_bytes(params), kv_cache_bytes=kv_bytes,
+              bytes_per_step=bytes_per_step, achieved_gb_per_s=round(bytes_per_step / step_s / 1e9, 1),
+              copy_gb_per_s=round(bandwidth / 1e9, 1), roofline_share=round(bytes_per_step / step_s / bandwidth, 3))
+
+
+def step_flops(cfg, rows, length) -> float:
+  """Model FLOPs of one update on rows x length tokens: 6 per matmul weight per token (forward and
+  both backward products) and causal attention (QK^T and PV over length/2 keys on average)."""
+  from jaxrl_hex.models.config import param_count
+  matmul_params = param_count(cfg) - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+  matmul_params += cfg.vocab_size * cfg.d_model  # the output head is a matmul, the embedding a lookup
+  attention = 2 * 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * (length / 2)
+  return 3 * rows * length * (2 * matmul_params + attention)
+
+
+def part_train(model, args) -> dict:
+  import ml_collections
+
+  from jaxrl_hex.config import base_config
+  from jaxrl_hex.rl.batch import TrainBatch
+  from jaxrl_hex.rl.objectives import make_rl_loss
+  from jaxrl_hex.rl.trainer import Trainer, make_optimizer
+  cfg, pool, policy, params = build(dict(model, remat=args.remat))
+  optim = ml_collections.ConfigDict(
+      dict(lr=1e-6, warmup_steps=0, end_lr_ratio=1.0, b1=0.9, b2=0.999, weight_decay=0.0, grad_clip=1.0))
+  algo = base_config().algo
+  algo.update(dict(loss_agg="token-mean", clip_eps_high=0.2, share_prompts=False))
+  trainer = Trainer(policy, pool, make_optimizer(optim, 100), make_rl_loss(algo, 1.0), params)
+  rng = np.random.default_rng(0)
+  n, width, completion = args.rows, args.length, args.length // 2
+  batch = TrainBatch(tokens=rng.integers(3, cfg.vocab_size, (n, width)).astype(np.int32), valid=np.ones(
+      (n, width), bool), loss_mask=np.ones((n, completion), bool), behav_logp=np.full(
+          (n, completion), -8.0, np.float32), rewards=rng.normal(size=n).astype(np.float32),
+                     group_ids=np.arange(n, dtype=np.int32), versions=np.zeros((n, completion), np.int32))
+  t0 = time.perf_counter()
+  trainer.step(batch)
+  first = time.perf_counter() - t0
+  times = []
+  for _ in range(args.train_steps):
+    t0 = time.perf_counter()
+    trainer.step(batch)
+    times.append(time.perf_counter() - t0)
+  step_s = float(np.median(times))
+  flops = step_flops(cfg, n, width)
+  peak, measured = peak_flops(jax.devices()[0]), matmul_flops(args.matmul_n)
+  return dict(rows=n, length=width, remat=args.remat, first_step_s=round(first, 2), step_s=round(step_s, 4),
+              train_tokens_per_s=round(n * width / step_s, 1), model_tflop_per_step=round(flops / 1e12, 3),
+              achieved_tflops=round(flops / step_s / 1e12,
+                                    2), peak_tflops=None if peak is None else round(peak / 1e12, 1),
+              mfu=None if peak is None else round(flops / step_s / peak, 3),
+              matmul_tflops_measured=round(measured / 1e12, 2), share_of_matmul=round(flops / step_s / measured, 3))
+
+
+def part_sync(model, args) -> dict:
+  from jaxrl_hex.models.policy import param_bytes
+  from jaxrl_hex.sync import make_sync
+  _, pool, policy, params = build(model)
+  shardings = pool.shardings_for(policy.logical_axes(), policy.shapes())
+  nbytes = param_bytes(params)
+  out = dict(bytes=nbytes, copy_gb_per_s=round(copy_rate(args.copy_bytes) / 1e9, 1))
+  with tempfile.TemporaryDirectory() as tmp:
+    methods = ["device_put"]
+    try:
+      import orbax.checkpoint  # noqa: F401  (absent from a bare accelerator image)
+      methods.append("orbax")
+      from cluster import disk_seconds  # benchmarks/cluster.py
+      out["disk_gb_per_s"] = round(nbytes / disk_seconds(nbytes, tmp)[0] / 1e9, 2)
+    except ImportError:
+      out["orbax"] = "not installed"
+    for method in methods:
+      sync = make_sync(method, policy.shapes(), shardings, os.path.join(tmp, "sync"))
+      seconds = []
+      for v in range(3):  # the first round compiles / warms caches
+        t0 = time.perf_counter()
+        _, got = sync.receive(sync.publish(v, params))
+        jax.block_until_ready(got)
+        seconds.append(time.perf_counter() - t0)
+      s = min(seconds[1:])
+      bound = out["copy_gb_per_s"] if method == "device_put" else out["disk_gb_per_s"]
+      out[method] = dict(seconds=round(s, 4), gb_per_s=round(nbytes / s / 1e9, 2),
+                         share_of_bound=round(nbytes / s / 1e9 / bound, 3))
+  return out
+
+
+PARTS = {"decode": part_decode, "train": part_train, "sync": part_sync}
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--part", default="all", choices=(*PARTS, "all"))
+  ap.add_argument("--smoke", action="store_true", help="a tiny model on any device: checks the script itself")
+  ap.add_argument("--slots", type=int, default=64)
+  ap.add_argument("--prompt", type=int, default=64)
+  ap.add_argument("--new", type=int, default=192, help="decode: new tokens per sequence (multiple of --chunk)")
+  ap.add_argument("--chunk", type=int, default=64, help="decode: steps per host hand-back")
+  ap.add_argument("--rows", type=int, default=8, help="train: sequences per update")
+  ap.add_argument("--length", type=int, default=2048, help="train: tokens per sequence")
+  ap.add_argument("--remat", default="none", choices=("none", "full", "dots"))
+  ap.add_argument("--train-steps", type=int, default=5)
+  ap.add_argument("--matmul-n", type=int, default=8192)
+  ap.add_argument("--copy-bytes", type=int, default=2 << 30)
+  args = ap.parse_args(argv)
+  devices = jax.devices()
+  print("jax", jax.__version__, "devices:", devices, flush=True)
+  if args.smoke:
+    args.new, args.chunk, args.slots, args.prompt = 32, 16, 8, 16
+    args.rows, args.length, args.train_steps, args.matmul_n, args.copy_bytes = 2, 64, 2, 256, 64 << 20
+  elif devices[0].platform != "gpu":
+    sys.exit("gpu_check: no GPU visible to JAX (jax.devices() above); install jax with its CUDA plugin "
+             "(the H200 image has jax + jax-cuda13-plugin) and rerun, or pass --smoke")
+  model = SMOKE if args.smoke else MODEL
+  results = dict(device=str(devices[0].device_kind), jax=jax.__version__)
+  for name in PARTS if args.part == "all" else (args.part,):
+    t0 = time.perf_counter()
+    try:
+      results[name] = dict(PARTS[name](model, args), part_s=round(time.perf_counter() - t0, 1))
+    except Exception as e:  # noqa: BLE001  (one part's failure must not lose the others' figures)
+      results[name] = dict(error=f"{type(e).__name__}: {e}")
+    print(json.dumps({name: results[name]}), flush=True)
+  if os.environ.get("OUT"):
+    with open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w") as f:
+      json.dump(results, f, indent=2)
+  return 0 if all("error" not in v for v in results.values() if isinstance(v, dict)) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
