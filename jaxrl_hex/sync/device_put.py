@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_hex.sync.handle import Handle
+from jaxrl_hex.sync.handle import Handle, target_structs
 from jaxrl_hex.sync.regions import RegionPlan, bounds
 
 
@@ -39,9 +39,7 @@ class DevicePutSync:
     start = time.perf_counter()
     self.settle()
     if self._plan is None and _on_cpu(jax.tree.map(lambda x: x.sharding, params)) and _on_cpu(self.target_shardings):
-      structs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                             self.target_shardings)
-      self._plan = RegionPlan(structs)
+      self._plan = RegionPlan(target_structs(params, self.target_shardings))
     if self._plan is not None:
       self._pending = self._copier.submit(self._copy, version, params)
     else:
