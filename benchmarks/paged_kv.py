@@ -13,6 +13,7 @@ after a cold one) and the paged engine's preemptions. Then the rollout benchmark
 interleaved rounds: what paging costs where max-length reservation wastes nothing.
 
   python benchmarks/paged_kv.py            # ~6 min on 2 cores; benchmarks/out/paged_kv.json + README table
+  python benchmarks/paged_kv.py --same-slots-only   # the W1/W2/W5 part alone, printed
 """
 import argparse
 import json
@@ -105,20 +106,43 @@ def table(w, ring, paged) -> str:
 
 
 def speed(rounds: int, repeats: int, page: int) -> dict:
-  """rollout.py's workloads on each cache, best new tokens/s of interleaved rounds."""
+  """rollout.py's workloads on each cache, both engines in one process, their warm runs alternating
+  (contiguous, paged, contiguous, ...), best new tokens/s of rounds x repeats runs each."""
+  import jax
+
+  from jaxrl_hex.rollout.engine import Engine, Request
+  pool, policy, params = bench._our_policy()
   best = {}
-  for _ in range(rounds):
-    for name in ("W1", "W2", "W5"):
-      for p in (0, page):
-        out = bench.run_ours(bench.workload(name), repeats, 16, kv_page_size=p)
-        key = (name, p)
-        best[key] = max(best.get(key, 0.0), out["new_tokens"] / out["seconds"])
+  for name in ("W1", "W2", "W5"):
+    w, engines = bench.workload(name), {}
+    for p in (0, page):
+      engines[p] = Engine(policy, pool, bench.IntTokenizer(), w["max_new"], temperature=1.0, slots=w["slots"],
+                          max_prompt_len=w["prompts"].shape[1], eos_ids=(bench.EOS,), steps_per_sync=16, kv_page_size=p)
+      engines[p].load_weights(0, params)
+
+    def run(engine, seed, w=w):
+      engine.rng = jax.random.key(seed)
+      g = w["group"]
+      engine.submit([Request(x.tolist(), n=g, max_tokens=w["budgets"][i * g]) for i, x in enumerate(w["prompts"])])
+      tokens = 0
+      while engine.pending:
+        tokens += sum(len(s.tokens) for s in engine.poll())
+      return tokens
+
+    for engine in engines.values():
+      run(engine, 0)  # compiles
+    for k in range(rounds * repeats):
+      for p, engine in engines.items():
+        t0 = time.perf_counter()
+        tokens = run(engine, k + 1)
+        best[(name, p)] = max(best.get((name, p), 0.0), tokens / (time.perf_counter() - t0))
   return {name: dict(contiguous=best[(name, 0)], paged=best[(name, page)]) for name in ("W1", "W2", "W5")}
 
 
 def speed_table(result, page) -> str:
   rows = [
-      "", f"Same slots, rollout.py's workloads (`kv_page_size={page}`, blocks = the contiguous cache's memory):", "",
+      "", f"Same slots, rollout.py's workloads (`kv_page_size={page}`, blocks = the contiguous cache's memory; both "
+      "engines in one process, their warm runs alternating, best of each):", "",
       "| workload | contiguous tok/s | paged tok/s | paged / contiguous |", "|---|---|---|---|"
   ]
   for name, r in result.items():
@@ -141,9 +165,14 @@ def main():
   ap.add_argument("--page", type=int, default=4)
   ap.add_argument("--steps-per-sync", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the same-slots speed part")
+  ap.add_argument("--rounds", type=int, default=3, help="rounds of the same-slots speed part (x --repeats runs)")
   ap.add_argument("--json", default=os.path.join(HERE, "out", "paged_kv.json"))
+  ap.add_argument("--same-slots-only", action="store_true",
+                  help="only the same-slots speed part, printed (no JSON, no README table)")
   args = ap.parse_args()
+  if args.same_slots_only:
+    print(speed_table(speed(args.rounds, args.repeats, 16), 16))
+    return
   w = workload(args.prompts, args.group, args.mean)
   length = w["prompts"].shape[1] + w["max_new"]
   ring = run_engine(w, args.slots, 0, 0, args.steps_per_sync, args.repeats)

@@ -424,24 +424,55 @@ class PagedIndex:
     """Writes the new keys [B, KV, hd, T] and values [B, KV, T, hd] at positions start + t and
     -> (every row's table blocks gathered as keys [B, KV, hd, M P], values [B, KV, M P, hd], the
     new (keys, values) pools). Rows read their whole table: the mask hides positions not cached."""
-    k_pool, v_pool = cache
-    b, t, (m, page) = keys.shape[0], keys.shape[-1], (self.table.shape[1], k_pool.shape[-1])
-    pos = self.start[:, None] + jnp.arange(t)
-    blk = jnp.take_along_axis(self.table, jnp.minimum(pos // page, m - 1), axis=1)
-    blk = jnp.where(self.write[:, None] & (pos < m * page), blk, k_pool.shape[0])  # out of range: dropped
-    split = lambda x: x.reshape((self.shards, x.shape[0] // self.shards) + x.shape[1:])
+    write = jnp.broadcast_to(self.write[:, None], (self.write.shape[0], keys.shape[-1]))
+    pools = tuple(
+        write_columns(pool, x, self.table, self.start, write, axes, self.shards)
+        for pool, x, axes in zip(cache, (keys, values), CACHE_AXES))
+    keys, values = (read_blocks(pool, self.table, axes, self.shards) for pool, axes in zip(pools, CACHE_AXES))
+    return keys, values, pools
 
-    def shard(kp, vp, table, blk, off, k, v):  # [blocks / D, ..] pools, [B / D, ..] rows
-      kp = kp.at[blk, :, :, off].set(k.transpose(0, 3, 1, 2).astype(kp.dtype), mode="drop")  # [b, T, KV, hd]
-      vp = vp.at[blk, :, off, :].set(v.transpose(0, 2, 1, 3).astype(vp.dtype), mode="drop")
-      return kp, vp, kp.at[table].get(mode="clip"), vp.at[table].get(mode="clip")
 
-    kp, vp, gk, gv = jax.vmap(shard)(*map(split, (k_pool, v_pool, self.table, blk, pos % page, keys, values)))
-    gk = gk.reshape((b, m) + gk.shape[3:]).transpose(0, 2, 3, 1, 4)  # [B, KV, hd, M, P]
-    gv = gv.reshape((b, m) + gv.shape[3:]).transpose(0, 2, 1, 3, 4)  # [B, KV, M, P, hd]
-    kv, hd = gk.shape[1], gk.shape[2]
-    return (gk.reshape(b, kv, hd, m * page), gv.reshape(b, kv, m * page,
-                                                        hd), (kp.reshape(k_pool.shape), vp.reshape(v_pool.shape)))
+def split_shards(x, axis: int, shards: int):
+  """x with its axis `axis` split as [shards, n // shards] (the data shard, then the shard's own)."""
+  return x.reshape(x.shape[:axis] + (shards, x.shape[axis] // shards) + x.shape[axis + 1:])
+
+
+def read_blocks(pool, table, axes, shards: int, extra: int = 0):
+  """One array of a paged pool, [.., blocks, .., P, ..] in its cache `axes` (the batch axis
+  counts blocks, the length axis holds P positions), -> each row's table [R, M] blocks in
+  position order, then `extra` zero columns: [.., R, .., M P + extra, ..] (PagedIndex: ids are
+  shard-local, a shard's rows read its blocks; blocks not held read clamped)."""
+  b_ax, l_ax = axes.index("batch"), axes.index("length")
+  (rows, m), page = table.shape, pool.shape[l_ax]
+  width = m * page + extra
+
+  def gather(p, tbl):  # one shard's blocks p [.., n, .., P, ..] and rows' tables tbl [r, M]
+    blocks = jnp.moveaxis(jnp.take(p, tbl, axis=b_ax, mode="clip"), b_ax + 1, l_ax)  # [.., r, .., M, P, ..]
+    line = blocks.reshape(blocks.shape[:l_ax] + (m * page,) + blocks.shape[l_ax + 2:])
+    return jnp.pad(line, [(0, extra if a == l_ax else 0) for a in range(line.ndim)])
+
+  out = jax.vmap(gather, in_axes=(b_ax, 0), out_axes=b_ax)(split_shards(pool, b_ax, shards),
+                                                           split_shards(table, 0, shards))
+  return out.reshape(pool.shape[:b_ax] + (rows,) + pool.shape[b_ax + 1:l_ax] + (width,) + pool.shape[l_ax + 1:])
+
+
+def write_columns(pool, x, table, start, write, axes, shards: int):
+  """One array of a paged pool (read_blocks) with rows' columns x [.., R, .., T, ..] written at
+  positions start [R] + t where write [R, T] says, through each row's table [R, M]; positions past
+  the table and blocks not held are dropped. A scatter: XLA:CPU writes it element by element."""
+  b_ax, l_ax = axes.index("batch"), axes.index("length")
+  (m, page), t = (table.shape[1], pool.shape[l_ax]), x.shape[l_ax]
+  pos = start[:, None] + jnp.arange(t)  # [R, T]
+  blk = jnp.take_along_axis(table, jnp.minimum(pos // page, m - 1), axis=1)
+  blk = jnp.where(write & (pos < m * page), blk, pool.shape[b_ax])  # out of range: dropped
+  every = lambda n: (slice(None),) * n
+  put = lambda p, blk, off, u: p.at[every(b_ax) + (blk,) + every(l_ax - b_ax - 1) + (off,)].set(u, mode="drop")
+  # blocks and columns are indexed on axes apart, so the update leads with their [R, T]
+  update = jnp.moveaxis(x, (b_ax, l_ax), (0, 1)).astype(pool.dtype)
+  out = jax.vmap(put, in_axes=(b_ax, 0, 0, 0),
+                 out_axes=b_ax)(split_shards(pool, b_ax, shards),
+                                *(split_shards(a, 0, shards) for a in (blk, pos % page, update)))
+  return out.reshape(pool.shape)
 
 
 def cache_axes(cfg) -> list:

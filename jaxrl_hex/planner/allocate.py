@@ -225,9 +225,9 @@ class Problem:
         "targets": list(self.m.lora_targets),
         "serving": "merged" if self.m.merged_serving else "unmerged"
     }
-    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw),
-                       n * dev.price_per_hour, self.seq_len, rows, rows >= per_shard,
-                       cm.train_memory(self.m, best_layout, self.seq_len, rows), lora)
+    return TrainChoice(kind, best_layout, best, fixed, cm.sync_send_time(self.m, n, bw), n * dev.price_per_hour,
+                       self.seq_len, rows, rows >= per_shard,
+                       cm.train_memory(self.m, best_layout, self.seq_len, rows, dev.platform), lora)
 
   def _sync_bw(self, src, dst):
     same_fabric = src.platform == "tpu" or self.cluster.counts[src.name] <= src.chips_per_host
@@ -288,7 +288,7 @@ class Problem:
     if not trainable:
       k, n = max(self.cluster.counts.items(), key=lambda kv: kv[1] * self.devs[kv[0]].hbm_gb)
       layout = cm.TrainLayout(1, n, 1, "full")
-      need = cm.train_memory(self.m, layout, self.seq_len) * (1 + cm.TRAIN_MEMORY_MARGIN) / gb
+      need = cm.train_memory(self.m, layout, self.seq_len, 1, self.devs[k].platform) * (1 + cm.TRAIN_MEMORY_MARGIN) / gb
       if cm.train_fits(self.m, self.devs[k], layout, self.seq_len):
         raise PlanError(
             f"no training pool of {k} that the runtime can run: data x fsdp must divide the step's "

@@ -6,7 +6,7 @@ overhead, so calibration can fit the efficiency factors against measured runs li
 import dataclasses
 import math
 
-from jaxrl_hex.models.config import kv_bytes_per_token, lora_targets, lora_weight_dims, param_count
+from jaxrl_hex.models.config import is_sliding, kv_bytes_per_token, lora_targets, lora_weight_dims, param_count
 from jaxrl_hex.planner import PlanError
 
 # Fraction of HBM the planner fills: the rest is XLA scratch, fragmentation and runtime buffers.
@@ -44,6 +44,14 @@ SP_SAVED_BYTES = 7.75
 # it was). "none" and "full" need no such term: the saved terms above are within 6% there.
 LORA_DOTS_SAVED_BYTES = 4.0
 RESIDUAL_OUTPUTS = ("self_attn.o_proj", "mlp.down_proj")
+# The platform attention kernels (models.kernels: Triton on GPU, Mosaic on TPU) know no grouped-query
+# attention: they take the KV heads repeated to the query heads, and without remat the backward
+# pass keeps their inputs, so beyond what the portable path keeps (SAVED_BYTES) a kernel layer
+# holds 2 x (heads - kv_heads) x head_dim more activation elements per token, split over tensor.
+# Analytic: XLA:CPU runs the kernels only in interpret mode, so no compiled figure backs this term.
+# Under remat "dots" and "full" attention is recomputed in the backward pass and the repeat lives
+# one layer at a time.
+TPU_KERNEL_HEAD_DIM = 128  # the Mosaic kernel takes head_dim <= 128 or a multiple of it (kernels.kernel_for)
 # The fit's largest under-estimate (-10%): a layout fits when its estimate times 1 + this margin
 # fits, so no fitted point the planner would pass overflows.
 TRAIN_MEMORY_MARGIN = 0.11
@@ -143,6 +151,7 @@ class ModelCost:
   adapted_out_embed: int = 0  # per token and layer: the adapted projections' output elements along d_model
   adapted_out_wide: int = 0  # ... along heads x head_dim or mlp_dim
   merged_serving: bool = False  # replicas fold the adapters into a copy of those weights (LoRA only)
+  kernel_layers: int = 0  # layers whose training attention may run a platform kernel (kernel_saved_bytes)
 
   @classmethod
   def from_config(cls, cfg, lora_serving="unmerged") -> "ModelCost":
@@ -156,7 +165,7 @@ class ModelCost:
     return cls(params=p, weight_bytes=p * pbytes, layer_weight_bytes=layer * pbytes,
                kv_bytes_token=kv_bytes_per_token(cfg, act), act_bytes=act, n_layers=cfg.n_layers, d_model=cfg.d_model,
                n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
-               vocab=cfg.vocab_size, **_lora_fields(cfg, pbytes, lora_serving))
+               vocab=cfg.vocab_size, kernel_layers=_kernel_layers(cfg), **_lora_fields(cfg, pbytes, lora_serving))
 
   @property
   def lora(self) -> bool:
@@ -183,6 +192,26 @@ class ModelCost:
   def attn_flops(self, tokens, context) -> float:
     """Forward attention-score FLOPs (QK^T and AV) for `tokens` each attending `context` keys."""
     return 4.0 * self.n_layers * self.n_heads * self.head_dim * tokens * context
+
+
+def _kernel_layers(cfg) -> int:
+  """Layers whose packed training rows model.attention_kernel lets a platform kernel attend
+  (models.kernels.attention): none under "portable" or a soft-cap; full (not sliding) layers
+  otherwise, and none when scanned layers mix in sliding ones (a scanned layer's window is
+  not known when it is traced)."""
+  full = [not is_sliding(cfg, i) for i in range(cfg.n_layers)]
+  if cfg.attention_kernel == "portable" or cfg.attn_logit_softcap or (cfg.scan_layers and not all(full)):
+    return 0
+  return sum(full)
+
+
+def kernel_saved_bytes(m: ModelCost, layout, platform: str) -> float:
+  """Bytes per token the platform kernels' repeated KV heads add to a train step (the comment above
+  TPU_KERNEL_HEAD_DIM): 0 off GPU and TPU, under remat, or without grouped-query heads."""
+  tpu_ok = m.head_dim <= TPU_KERNEL_HEAD_DIM or m.head_dim % TPU_KERNEL_HEAD_DIM == 0
+  if layout.remat != "none" or platform not in ("gpu", "tpu") or (platform == "tpu" and not tpu_ok):
+    return 0.0
+  return 2.0 * (m.n_heads - m.n_kv_heads) * m.head_dim * m.act_bytes / layout.tensor * m.kernel_layers
 
 
 def _lora_fields(cfg, pbytes: int, lora_serving: str) -> dict:
@@ -243,10 +272,11 @@ class TrainLayout:
     return {"length": "tensor"} if self.sequence_parallel else {}
 
 
-def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int, rows: int = 1) -> float:
+def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int, rows: int = 1, platform: str = "cpu") -> float:
   """Peak bytes per chip of a train step whose micro-batch puts `rows` rows of `seq_len` tokens on
   each batch shard: params, gradients and Adam's two moments (all in param dtype, as optax keeps
-  them) sharded over fsdp x tensor, plus the fitted terms above. With LoRA the base is frozen
+  them) sharded over fsdp x tensor, plus the fitted terms above, plus the attention kernels'
+  repeated KV heads on the `platform` that runs them (kernel_saved_bytes). With LoRA the base is frozen
   (its params alone, no gradient or moments) and the fp32 adapters carry all four and the
   optimizer's temporaries; the backward pass still keeps the activations through the frozen
   weights, so the saved terms are the same (under remat "dots" plus LORA_DOTS_SAVED_BYTES)."""
@@ -264,13 +294,14 @@ def train_memory(m: ModelCost, layout: TrainLayout, seq_len: int, rows: int = 1)
   per_token = per_d * m.d_model + per_mlp * m.mlp_dim / t
   if m.lora and layout.remat == "dots":
     per_token += LORA_DOTS_SAVED_BYTES * (m.adapted_out_embed + m.adapted_out_wide / t)
-  saved = per_token * m.n_layers * rows * seq_len
+  saved = (per_token * m.n_layers + kernel_saved_bytes(m, layout, platform)) * rows * seq_len
   return state + head + OPT_TEMP_BYTES * trained + saved
 
 
 def train_fits(m: ModelCost, dev, layout: TrainLayout, seq_len: int, rows: int = 1) -> bool:
   """Whether the step fits the chip's usable memory (MEMORY_HEADROOM) with the fit's margin."""
-  return train_memory(m, layout, seq_len, rows) * (1 + TRAIN_MEMORY_MARGIN) <= MEMORY_HEADROOM * dev.hbm_bytes
+  need = train_memory(m, layout, seq_len, rows, dev.platform)
+  return need * (1 + TRAIN_MEMORY_MARGIN) <= MEMORY_HEADROOM * dev.hbm_bytes
 
 
 def train_time(m: ModelCost, dev, layout: TrainLayout, tokens: float, seq_len: int) -> TimeParts:

@@ -186,6 +186,9 @@ class Engine:
     self.param_shardings = pool.shardings_for(policy.logical_axes(), policy.shapes())
     self._state_shardings = S.state_shardings(pool, policy.cfg, self.layout)
     self.memory = self._memory_plan(float(memory_budget_gb))
+    # paged: a decode call copies its rows' blocks once into a contiguous cache (as fast as the ring)
+    # where the budget has room for that copy, else every step gathers them layer by layer
+    self.paged_copy = self.paged and self.memory["paged_decode"] == "copy"
     self.version, self.params = -1, None
     self.compile_count, self.compile_seconds = 0, 0.0
     self.decode_steps = 0  # decode steps run (each over all slots)
@@ -240,12 +243,17 @@ class Engine:
         shard_bytes(sh, x.shape, x.dtype)
         for sh, x in zip(jax.tree.leaves(self.param_shardings), jax.tree.leaves(self.policy.shapes())))
     budget = int(budget_gb * 2**30) or int((local_device(self.pool).memory_stats() or {}).get("bytes_limit", 0))
+    total = S.cache_bytes(cfg, *self.layout.cache_rows, self.cache_dtype)
     plan = {
-        "kv_cache_bytes": S.cache_bytes(cfg, *self.layout.cache_rows, self.cache_dtype),
+        "kv_cache_bytes": total,
         "kv_cache_bytes_per_device": cache,
         "params_bytes_per_device": params,
         "budget_bytes_per_device": budget
     }
+    if self.paged:  # a decode call's copy of every slot's blocks at full width, split as the pool is
+      copy = S.cache_bytes(cfg, self.num_slots, self.length + self.steps_per_sync, self.cache_dtype) * cache // total
+      plan["decode_copy_bytes_per_device"] = copy
+      plan["paged_decode"] = "copy" if not budget or cache + params + copy <= budget else "gather"
     if budget and cache + params > budget:
       gib = lambda b: f"{b / 2 ** 30:.2f} GiB"
       what, knobs = ((f"KV pool of {self.layout.blocks} blocks x {self.layout.page} tokens",
@@ -624,16 +632,17 @@ class Engine:
     """The decode program of a span; the temperature is its input (_decode_args), so greedy
     evaluation and sampled rollouts run the same program."""
     return functools.partial(S.decode, self.policy, self.sampling, self.eos_ids, self.steps_per_sync, span,
-                             logits_sharding=self.pool.sharding(("batch", None)))
+                             logits_sharding=self.pool.sharding(("batch", None)), paged_copy=self.paged_copy)
 
   def _init_state(self):
     return S.init_state(self.policy.cfg, self.layout, self.cache_dtype)
 
   def _decode(self, stop_on_finish: bool):
     args = self._decode_args(self._live, stop_on_finish)
-    if self.paged:
-      reach = max(self._blocks_needed(self._seqs[s]) for s in np.flatnonzero(self._live)) * self.layout.page
-      span = self._span(reach)
+    if self.paged:  # copied: the positions cached before the call (its steps' columns follow them);
+      live = np.flatnonzero(self._live)  # else every position its steps reach
+      span = self._span((max(len(self._seqs[s].row) - 1 for s in live) or 1) if self.paged_copy else max(
+          self._blocks_needed(self._seqs[s]) for s in live) * self.layout.page)
       table = jax.device_put(self._table, self._state_shardings.kv.table)
       self._state = dataclasses.replace(self._state, kv=dataclasses.replace(self._state.kv, table=table))
       rows = self._rows()
@@ -684,12 +693,14 @@ class Engine:
     return sorted({min(per, pow2_bucket(n, max(1, per // 8))) for n in range(1, per + 1)})
 
   def _span(self, end: int) -> int:
-    """Columns a decode call attends to when its last step writes column end - 1: a quarter of
-    the width at a time (few compiles); a ring's whole width once it has wrapped; a paged slot's
-    columns are its positions, in whole blocks. Attention reads the cache it spans, so a fresh
-    batch's first steps cost what its short sequences need."""
+    """Cache columns a decode call attends to, when its last step writes ring column end - 1, or
+    when its paged slots have cached positions below end (its steps attend to those and to the
+    columns they write): a quarter of the width at a time (few compiles); a ring's whole width
+    once it has wrapped; a paged slot's columns are its positions, in whole blocks (a quarter
+    rounded down: rounded up, a table of 6 blocks would step by 2). Attention reads the cache it
+    spans, so a fresh batch's first steps cost what its short sequences need."""
     unit, width = self.layout.page or 1, self._width
-    quarter = -(-width // (4 * unit)) * unit
+    quarter = max(unit, width // (4 * unit) * unit) if self.paged else -(-width // 4)
     return width if end > width else min(width, -(-end // quarter) * quarter)
 
   @property

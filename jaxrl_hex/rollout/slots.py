@@ -17,8 +17,10 @@ B rows x P columns (the same arrays, axes and shardings: blocks split over the b
 slots, kv_heads over tensor). Slot s holds position p in block table[s, p // P] at column p % P;
 the table (host-owned, models.decoder.PagedIndex) names blocks of the slot's own data shard, so
 every gather and write stays on the devices that hold the slot. A decode call runs on the slots
-the engine names (its live ones, padded to a bucket: take_rows) and reads the blocks of positions
-[0, span) only. The host hands blocks out between calls (rollout.pages), shares a
+the engine names (its live ones, padded to a bucket: take_rows); it copies their blocks of
+positions [0, span) once into a contiguous cache with a column per step after them, decodes on
+it as on a ring, and writes its steps' columns into their blocks once at the end
+(Pages.narrow, PagedCall.widen). The host hands blocks out between calls (rollout.pages), shares a
 group's full prompt blocks between its samples and rebuilds a sequence's KV (after preemption
 or a weight switch) by prefilling its tokens again: the host holds every token, so the paged
 state keeps none.
@@ -37,7 +39,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_hex.models.attention import Segments
-from jaxrl_hex.models.decoder import PagedIndex, cache_axes, cache_shapes, init_cache, map_cache, rope_tables
+from jaxrl_hex.models.decoder import (
+    PagedIndex,
+    cache_axes,
+    cache_shapes,
+    init_cache,
+    map_cache,
+    read_blocks,
+    rope_tables,
+    split_shards,
+    write_columns,
+)
 from jaxrl_hex.rollout.sampling import sample
 
 
@@ -96,8 +108,11 @@ class Ring:
     return cache, Ring(jnp.where(filled[:, None], in_prompt, self.valid), put(self.col_tok, tokens),
                        put(self.col_pos, positions), t)
 
-  def narrow(self, state, span):
-    """The state on ring columns [0, span) (a copy)."""
+  def narrow(self, state, span, steps):
+    """The state on ring columns [0, span) (a copy; the state itself when that is the whole ring)."""
+    del steps  # a ring's steps write inside its span
+    if span == self.width:
+      return state
     cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, span, axis=axis)
     ring = Ring(cut(self.valid, 1), cut(self.col_tok, 1), cut(self.col_pos, 1), self.t)
     return dataclasses.replace(state, cache=map_cache(lambda x, axes: cut(x, axes.index("length")), state.cache),
@@ -105,6 +120,8 @@ class Ring:
 
   def widen(self, state, full):
     """state's (narrowed) ring columns written over full's first ones."""
+    if self.width == full.kv.width:
+      return state
     put = lambda dest, x, axis: jax.lax.dynamic_update_slice_in_dim(dest, x, 0, axis)
     f = full.kv
     ring = Ring(put(f.valid, self.valid, 1), put(f.col_tok, self.col_tok, 1), put(f.col_pos, self.col_pos, 1), self.t)
@@ -133,12 +150,6 @@ class Pages:
   def width(self) -> int:
     return self.table.shape[1] * self.page
 
-  def step(self, pending, pos, live):
-    del pending  # the host keeps the tokens
-    keys = jnp.arange(self.width)
-    mask = keys[None] <= pos[:, None]
-    return self, mask, PagedIndex(self.table, pos, live, self.shards), jnp.broadcast_to(keys, mask.shape)
-
   def fill(self, cache, kv, tokens, lengths, slot_src, writes: Writes):
     """Copies blocks of the prompt rows' KV kv [n, .., Pb] into the pool as `writes` says."""
     del tokens, lengths, slot_src  # the writes name every block
@@ -153,23 +164,77 @@ class Pages:
       x = x.reshape(x.shape[:l_ax] + (blocks, self.page) + x.shape[l_ax + 1:])  # [.., n, .., blocks, P, ..]
       # the picked blocks [D, W, ..] in the pool's own layout (the batch axis now counts blocks)
       picked = jnp.moveaxis(jnp.moveaxis(x, (b_ax, l_ax), (0, 1))[writes.src, writes.blk], (0, 1), (b_ax, b_ax + 1))
-      per_shard = _split(pool, b_ax, self.shards)
+      per_shard = split_shards(pool, b_ax, self.shards)
       put_one = lambda p, d, u: p.at[(slice(None),) * b_ax + (d,)].set(u, mode="drop")
       out = jax.vmap(put_one, in_axes=(b_ax, 0, b_ax), out_axes=b_ax)(per_shard, writes.dest, picked)
       return out.reshape(pool.shape)
 
     return map_cache(put, cache, kv), self
 
-  def narrow(self, state, span):
-    return dataclasses.replace(state, kv=dataclasses.replace(self, table=self.table[:, :span // self.page]))
+  def narrow(self, state, span, steps):
+    """The state of a decode call of up to `steps` steps whose rows have cached positions below
+    `span` only: each row's KV of positions [0, span) gathered from its blocks once, then `steps`
+    empty columns, one per step, in a contiguous cache [R, span + steps] (a copy). Every step
+    writes the same column of it, in place, as a ring's step, whatever each row's position, and
+    attention reads it as it lies (a step that gathered the rows' blocks instead copied their
+    cache per layer). widen writes the steps' columns into the blocks.
+
+    steps None: the call's steps read and write the blocks themselves (step), each layer's
+    gathered copy living only while that layer runs; `span` then covers every position the call
+    reaches. For a pool whose memory has no room for the whole call's copy (Engine.paged_copy)."""
+    if steps is None:
+      return dataclasses.replace(state, kv=dataclasses.replace(self, table=self.table[:, :span // self.page]))
+    view = lambda pool, axes: read_blocks(pool, self.table[:, :span // self.page], axes, self.shards, extra=steps)
+    call = PagedCall(self, state.pos, jnp.zeros((self.table.shape[0], steps), bool), jnp.int32(0), span)
+    return dataclasses.replace(state, cache=map_cache(view, state.cache), kv=call)
+
+  def step(self, pending, pos, live):
+    """A step of a call narrowed without a copy: every layer gathers the rows' blocks and writes
+    their new column (PagedIndex)."""
+    del pending  # the host keeps the tokens
+    keys = jnp.arange(self.width)
+    mask = keys[None] <= pos[:, None]
+    return self, mask, PagedIndex(self.table, pos, live, self.shards), jnp.broadcast_to(keys, mask.shape)
 
   def widen(self, state, full):
-    return dataclasses.replace(state, kv=full.kv)
+    return dataclasses.replace(state, kv=full.kv)  # the steps wrote the pool itself
 
 
-def _split(x, axis, shards):
-  """x with its axis `axis` split as [shards, n // shards] (the data shard, then the shard's own)."""
-  return x.reshape(x.shape[:axis] + (shards, x.shape[axis] // shards) + x.shape[axis + 1:])
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedCall:
+  """Pages through a decode call (Pages.narrow): the cache is [R, span + K], each row's KV of
+  positions [0, span) cached before the call, then column span + i for the call's step i."""
+  pages: Pages  # the rows' tables, through which widen writes the steps' columns back
+  start: jax.Array  # [R] int32: each row's position at the call's first step
+  written: jax.Array  # [R, K] bool: step i's column holds position start + i (the row was live at step i)
+  t: jax.Array  # [] int32: steps run
+  span: int = dataclasses.field(metadata={"static": True})
+
+  @property
+  def width(self) -> int:
+    """Positions a row may reach (the rope tables' length)."""
+    return self.pages.width
+
+  def step(self, pending, pos, live):
+    """-> (the call after this step, mask [R, span + K], the cache_index, key positions [R, span + K])."""
+    del pending, pos  # the host keeps the tokens; a row's position is start + t
+    col = jnp.arange(self.span + self.written.shape[1])
+    step = col - self.span  # the step whose column it is; < 0: a position cached before the call
+    mask = jnp.where(step < 0, col < self.start[:, None], step <= self.t)
+    key_positions = jnp.where(step < 0, col, self.start[:, None] + step)
+    call = dataclasses.replace(self, written=self.written.at[:, self.t].set(live), t=self.t + 1)
+    return call, mask, self.span + self.t, key_positions
+
+  def widen(self, state, full):
+    """full's pool with the columns the live rows' steps wrote put in their blocks: one scatter
+    per call, not one per step."""
+
+    def put(pool, x, axes):
+      steps = jax.lax.slice_in_dim(x, self.span, x.shape[axes.index("length")], axis=axes.index("length"))
+      return write_columns(pool, steps, self.pages.table, self.start, self.written, axes, self.pages.shards)
+
+    return dataclasses.replace(state, cache=map_cache(put, full.cache, state.cache), kv=full.kv)
 
 
 @jax.tree_util.register_dataclass
@@ -328,17 +393,19 @@ def put_rows(full: DecodeState, small: DecodeState, rows) -> DecodeState:
 
 
 def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, stop_on_finish,
-           temperature=None, rows=None, logits_sharding=None) -> tuple[DecodeState, Decoded]:
+           temperature=None, rows=None, logits_sharding=None, paged_copy=True) -> tuple[DecodeState, Decoded]:
   """Up to max_steps decode steps over the slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
 
   temperature: a runtime scalar (0: greedy), so sampled and greedy decoding share one program;
   None: sampling's own, a constant of the program.
 
-  Attention reads the cache columns [0, span) of the layout only (ring columns; positions of a
-  paged slot): the caller promises that every live column and every column these steps write
-  lies there. logits_sharding: rows over the batch axes, the vocabulary whole on each device.
-  Drawing from vocabulary-sharded logits needs the whole row anyway (the inverse CDF's running
+  Attention reads the cache columns [0, span) of the layout only: ring columns, where the caller
+  promises that every live column and every column these steps write lies there; or the
+  positions a paged slot cached before the call (the caller promises they lie there), and then
+  the columns these steps write; with paged_copy False (Pages.narrow without steps), the
+  positions these steps reach. logits_sharding: rows over the batch axes, the vocabulary whole
+  on each device. Drawing from vocabulary-sharded logits needs the whole row anyway (the inverse CDF's running
   sum) plus ~5 small collectives for maxima, sums and the pick; gathered once, the sampler needs
   none. live [S] bool: the slots decoding. rows [R] (paged only): the distinct slots the steps
   run on, every live one among them, shard by shard (R / D of each data shard's, in order), so
@@ -348,9 +415,8 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
   temperature = sampling["temperature"] if temperature is None else temperature
   if rows is not None:
     state, live = take_rows(state, rows), live[rows]
-  full, narrowed = state, span < state.kv.width
-  if narrowed:  # the loop runs on the first span columns (a ring's copied in and out once per call,
-    state = state.kv.narrow(state, span)  # where every step would read the whole cache)
+  full = state  # the loop runs on a copy of the span (and a paged call's step columns), made and
+  state = state.kv.narrow(state, span, max_steps if paged_copy else None)  # written back once per call
   width = state.pos.shape[0]
   eos = jnp.asarray(eos_ids, jnp.int32)
   tables = rope_tables(policy.cfg, state.kv.width)  # a slot's positions stay below the width it reads
@@ -382,7 +448,7 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
       cond, body,
       _Loop(jnp.int32(0), state, live, per_step(jnp.int32), per_step(jnp.float32), per_step(bool),
             jnp.stack([jnp.any(live), jnp.bool_(False)])))
-  state = loop.state.kv.widen(loop.state, full) if narrowed else loop.state
+  state = loop.state.kv.widen(loop.state, full)
   out = Decoded(loop.live, loop.tokens, loop.logprobs, loop.emitted, loop.step)
   if rows is None:
     return state, out

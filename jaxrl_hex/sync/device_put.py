@@ -4,7 +4,8 @@ Between CPU devices the published params are assembled on the host (sync/regions
 each distinct region of the rollout layout, aliased by every device holding it, where device_put
 would copy each replica. That copy runs on a background thread, so the trainer goes on at once;
 it reads the trainer's params, which the trainer's next step donates, so that step first waits
-for the copy (settle(); the trainer is busy elsewhere until then: the rollout batch, the checks).
+for the copy (settle(); the trainer is busy elsewhere until then: the rollout batch, the checks),
+taking copies itself meanwhile, and the wrapping of the regions as arrays runs on after it.
 A snapshot on the train devices instead (a jitted copy) measured 3-4x a memcpy's CPU time on top,
 for every version, against a wait only when the copy is not done. Elsewhere (accelerators) a
 device-to-device jax.device_put, which the runtime itself orders before that donation.
@@ -33,7 +34,7 @@ class DevicePutSync:
     self._latest = (-1, None)
     self._plan = None
     self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="device-put-sync")
-    self._pending = None  # the background copy of the last publish
+    self._pending = None  # the last publish's (future of its Filling, future of its arrays)
 
   def publish(self, version, params) -> Handle:
     start = time.perf_counter()
@@ -41,29 +42,45 @@ class DevicePutSync:
     if self._plan is None and _on_cpu(jax.tree.map(lambda x: x.sharding, params)) and _on_cpu(self.target_shardings):
       self._plan = RegionPlan(target_structs(params, self.target_shardings))
     if self._plan is not None:
-      self._pending = self._copier.submit(self._copy, version, params)
+      leaves = jax.tree.leaves(params)
+      started = concurrent.futures.Future()
+      self._pending = started, self._copier.submit(self._copy, version, leaves, started)
     else:
       # never alias: the trainer donates its params to the next step (pools may share devices)
       self._latest = (version, jax.device_put(params, self.target_shardings, may_alias=False))
     self.last_seconds = time.perf_counter() - start
     return Handle(version)
 
-  def _copy(self, version, params):
-    shards = [[(bounds(s.index, x.shape), np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
-              for x in jax.tree.leaves(params)]
-    self._latest = (version, self._plan.build(lambda i, _: shards[i]))  # one tuple assignment: a whole pair
+  def _copy(self, version, leaves, started):
+    try:
+      filling = self._plan.start(lambda i, _: [(bounds(s.index, leaves[i].shape), np.asarray(s.data))
+                                               for s in leaves[i].addressable_shards if s.replica_id == 0])
+    except BaseException as e:
+      started.set_exception(e)
+      raise
+    started.set_result(filling)
+    # the arrays are built after the copies: a settle() waits for the copies alone
+    self._latest = (version, self._plan.arrays(filling.run()))  # one tuple assignment: a whole pair
+
+  def _help(self):
+    """Runs the last publish's copies along with its thread -> that publish's future, or None."""
+    pending = self._pending  # the trainer and the rollout side may both wait on it
+    if pending is None:
+      return None
+    pending[0].result().run()
+    return pending[1]
 
   def settle(self) -> float:
-    """Waits for the last publish's copy (before its params are donated or its version read) ->
-    seconds waited."""
+    """Waits for the last publish's copy out of the params (before they are donated), helping it
+    along -> seconds waited."""
     start = time.perf_counter()
-    pending = self._pending  # the trainer and the rollout side may both wait on it
-    if pending is not None:
-      pending.result()
+    self._help()
     return time.perf_counter() - start
 
   def receive(self, handle: Handle):
-    self.settle()
+    built = self._help()
+    if built is not None:
+      built.result()
     version, params = self._latest
     assert version >= handle.version, "device_put sync: asked for a version not yet published"
     return version, params

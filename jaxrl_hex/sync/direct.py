@@ -6,7 +6,9 @@ shard), packed into chunks of up to CHUNK_BYTES, and returns a manifest piece {l
 Handle. receive(): a rollout process assembles each distinct region its devices hold once, from
 zero-copy views of the chunks holding source shards that overlap it (sync/regions.py), fetching
 only those chunks, so no process gathers much more of the model than its devices hold. Two
-copies in all: into the object store, and out of it into the receiving layout.
+copies at most: into the object store, and out of it into the receiving layout; a region that
+already lies whole in a chunk (a shard of it, or shards stacked along the first axis, which
+publish puts back to back) is aliased where it lies, not copied.
 """
 import functools
 import time
@@ -60,14 +62,16 @@ class DirectSync:
 
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       entry = piece.setdefault(_key(path), [])
-      for s in leaf.addressable_shards:
-        if s.replica_id == 0:
-          data = np.asarray(s.data)
-          if chunk and chunk_bytes + data.nbytes > CHUNK_BYTES:
-            flush()
-          chunk.append(data)
-          chunk_bytes += data.nbytes
-          waiting.append((entry, bounds(s.index, leaf.shape)))
+      owned = [(bounds(s.index, leaf.shape), s.data) for s in leaf.addressable_shards if s.replica_id == 0]
+      # shards that differ only in their first axis back to back: the object store lays a chunk's
+      # arrays out in order, so a receiving region stacking them can be used in place (regions.py)
+      for where, data in sorted(owned, key=lambda shard: (shard[0][1:], shard[0][:1])):
+        data = np.asarray(data)
+        if chunk and chunk_bytes + data.nbytes > CHUNK_BYTES:
+          flush()
+        chunk.append(data)
+        chunk_bytes += data.nbytes
+        waiting.append((entry, where))
     flush()
     self.last_seconds = time.perf_counter() - start
     return piece
@@ -80,7 +84,8 @@ class DirectSync:
 
   def receive(self, handle: Handle):
     """Each distinct region of the rollout layout assembled once from the object store's zero-copy
-    views of the chunks overlapping it (sync/regions.py); a chunk is fetched on first use."""
+    views of the chunks overlapping it, or aliased where it lies whole in them (sync/regions.py); a
+    chunk is fetched on first use."""
     import ray
     start = time.perf_counter()
     chunks = {}  # ref -> its list of shards
@@ -90,9 +95,9 @@ class DirectSync:
         chunks[ref] = ray.get(ref)
       return chunks[ref][i]
 
-    def sources_of(_, path):
-      return [(src, functools.partial(fetch, ref, i)) for src, (ref, i) in handle.payload[_key(path)]]
+    def sources_of(_, name):
+      return [(src, functools.partial(fetch, ref, i)) for src, (ref, i) in handle.payload[name]]
 
-    params = self._plan.build(sources_of)
+    params = self._plan.build(sources_of, alias=True)  # the object store's buffers are immutable
     self.last_seconds = time.perf_counter() - start
     return handle.version, params

@@ -7,11 +7,18 @@ aliases an aligned host buffer instead of copying it, so the whole transfer is o
 distinct bytes (elsewhere device_put copies it on to the device, host to device). The buffers of
 one transfer are slices of one arena, reused once no array aliases it any more (JAX holds a
 reference to a host buffer it aliases), so a steady run copies into warm memory, not fresh pages.
+
+Which parts of which source land where depends only on the two layouts, so it is worked out once
+per source layout (`_planned`); a transfer is then one np.copyto per overlap. Sources that are
+immutable (the object store's) may instead be aliased where a region already lies in them whole:
+one source, or sources stacked along the first axis lying back to back in memory.
 """
+import collections
 import gc
 import math
 import sys
 import threading
+import typing
 
 import jax
 import numpy as np
@@ -25,46 +32,103 @@ def bounds(index, shape):
   return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
+def _index_key(index):
+  """A device's index (slices, unhashable before Python 3.12) as a dict key; the map it comes from
+  is the sharding's own, so equal indices spell their slices alike."""
+  return tuple((s.start, s.stop) for s in index)
+
+
 def _aligned(nbytes: int) -> np.ndarray:
   raw = np.empty(nbytes + ALIGN, np.uint8)
   start = -raw.ctypes.data % ALIGN
   return raw[start:start + nbytes]
 
 
-def fill(out: np.ndarray, want, sources, name: str):
-  """Copies into `out` (the region `want`) the overlapping parts of `sources` [(bounds, array or a
-  callable returning it, fetched only if it overlaps)]."""
-  covered = 0
-  for src, data in sources:
-    lo = [max(a, c) for (a, _), (c, _) in zip(want, src)]
-    hi = [min(b, d) for (_, b), (_, d) in zip(want, src)]
-    if any(h <= l for l, h in zip(lo, hi)):
-      continue
-    data = data() if callable(data) else data
-    out[tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, want))] = \
-        data[tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, src))]
-    covered += math.prod(h - l for l, h in zip(lo, hi))
-  assert covered == out.size, f"weight sync: the shards of {name} do not cover {want}"
+class _Span:
+  """Arrays lying back to back in memory seen as one array; keeps them (and what they view) alive."""
+
+  def __init__(self, parts, shape, dtype):
+    self.parts = parts
+    self.__array_interface__ = dict(shape=tuple(shape), typestr=np.dtype(dtype).str, version=3,
+                                    data=(parts[0].ctypes.data, not parts[0].flags.writeable))
+
+
+def _in_place(parts, shape, dtype):
+  """The region made of `parts` (stacked along the first axis) without a copy, or None where they
+  are not aligned, contiguous, back to back arrays of the region's dtype."""
+  if any(p.dtype != dtype or not p.flags.c_contiguous for p in parts) or parts[0].ctypes.data % ALIGN:
+    return None
+  if any(a.ctypes.data + a.nbytes != b.ctypes.data for a, b in zip(parts, parts[1:])):
+    return None
+  return parts[0] if len(parts) == 1 else np.asarray(_Span(parts, shape, dtype))
+
+
+class _Copy(typing.NamedTuple):
+  source: int  # which of the leaf's sources
+  into: tuple  # slices of the region
+  take: tuple  # slices of the source
+
+
+class _Region(typing.NamedTuple):
+  shape: tuple
+  offset: int  # bytes into the arena
+  copies: list  # [_Copy] covering the region
+  stack: list | None  # sources that are the region stacked along the first axis, in order; else None
 
 
 class RegionPlan:
-  """Where each distinct region of a target tree (ShapeDtypeStructs carrying shardings) lies in an arena."""
+  """Where each distinct region of a target tree (ShapeDtypeStructs carrying shardings) lies in an arena,
+  and which parts of which source shards fill it."""
 
   def __init__(self, targets):
     self.targets = targets
-    self.leaves = []  # per leaf: [(region bounds, byte offset in the arena)]
+    self._leaves = jax.tree.leaves(targets)
+    self._names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(targets)]
+    self._wanted = []  # per leaf: [(region bounds, byte offset in the arena)]
+    self._region_of = []  # per leaf: {device index key: region number}
     offset = 0
-    for target in jax.tree.leaves(targets):
+    for target in self._leaves:
+      indices = target.sharding.addressable_devices_indices_map(target.shape).values()
+      wanted = list(dict.fromkeys(bounds(i, target.shape) for i in indices))
+      self._region_of.append({_index_key(i): wanted.index(bounds(i, target.shape)) for i in indices})
       placed = []
-      for want in dict.fromkeys(
-          bounds(i, target.shape) for i in target.sharding.addressable_devices_indices_map(target.shape).values()):
+      for want in wanted:
         placed.append((want, offset))
         nbytes = math.prod(b - a for a, b in want) * np.dtype(target.dtype).itemsize
         offset += -(-nbytes // ALIGN) * ALIGN
-      self.leaves.append(placed)
+      self._wanted.append(placed)
     self.nbytes = offset
+    self._layouts = {}  # source layout -> per leaf [_Region]
     self._arenas = []
     self._lock = threading.Lock()
+
+  def _planned(self, layout):
+    """layout: per leaf, the bounds of its sources -> per leaf, its [_Region]s."""
+    if layout not in self._layouts:
+      self._layouts[layout] = [[self._region(want, offset, sources, name) for want, offset in placed]
+                               for placed, sources, name in zip(self._wanted, layout, self._names)]
+    return self._layouts[layout]
+
+  @staticmethod
+  def _region(want, offset, sources, name) -> _Region:
+    copies, covered = [], 0
+    for k, src in enumerate(sources):
+      lo = [max(a, c) for (a, _), (c, _) in zip(want, src)]
+      hi = [min(b, d) for (_, b), (_, d) in zip(want, src)]
+      if any(h <= l for l, h in zip(lo, hi)):
+        continue
+      copies.append(
+          _Copy(k, tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, want)),
+                tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, src))))
+      covered += math.prod(h - l for l, h in zip(lo, hi))
+    shape = tuple(b - a for a, b in want)
+    assert covered == math.prod(shape), f"weight sync: the shards of {name} do not cover {want}"
+    # whole sources, each spanning the region's other axes: the region is them stacked along axis 0
+    overlapping = [sources[c.source] for c in copies]
+    whole = all(
+        src[1:] == want[1:] and all(a <= c and d <= b for (a, b), (c, d) in zip(want, src)) for src in overlapping)
+    stack = [c.source for c in sorted(copies, key=lambda c: sources[c.source])] if whole else None
+    return _Region(shape, offset, copies, stack)
 
   def _arena(self) -> np.ndarray:
     """A free arena: one whose buffer no array aliases (its one reference: the arena slice itself)."""
@@ -78,25 +142,75 @@ class RegionPlan:
     self._arenas = [arena] + self._arenas[:ARENAS - 1]  # one still aliased beyond those lives on by itself
     return arena
 
-  def build(self, sources_of):
-    """sources_of(leaf index, path) -> [(bounds, array or callable)] covering the leaf -> the
-    target tree's arrays, on the receiving layout. One build at a time: it fills an arena."""
+  def start(self, sources_of, alias=False) -> "Filling":
+    """sources_of(leaf index, leaf name) -> [(bounds, array or a callable returning it, called only
+    if it overlaps)] covering the leaf -> the fill of every leaf's regions, its copies still to run.
+    alias: the sources are immutable and outlive what is built on them, so a region lying whole in
+    them is used in place. The regions hold their arena (no other fill takes it) until dropped."""
     with self._lock:
-      return self._build(sources_of)
+      sources = [sources_of(i, name) for i, name in enumerate(self._names)]
+      plan = self._planned(tuple(tuple(src for src, _ in leaf) for leaf in sources))
+      arena = self._arena()
+      regions, copies = [], []
+      for target, leaf, planned in zip(self._leaves, sources, plan):
+        data = {}
 
-  def _build(self, sources_of):
-    arena = self._arena()
-    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(self.targets)]
+        def get(k, leaf=leaf, data=data):
+          if k not in data:
+            data[k] = leaf[k][1]() if callable(leaf[k][1]) else leaf[k][1]
+          return data[k]
+
+        views = []
+        for region in planned:
+          view = _in_place([get(k) for k in region.stack], region.shape, target.dtype) \
+              if alias and region.stack else None
+          if view is None:
+            nbytes = math.prod(region.shape) * np.dtype(target.dtype).itemsize
+            view = arena[region.offset:region.offset + nbytes].view(target.dtype).reshape(region.shape)
+            copies += [(view[c.into], get(c.source)[c.take]) for c in region.copies]
+          views.append(view)
+        regions.append(views)
+      return Filling(regions, copies)
+
+  def arrays(self, regions):
+    """A fill's regions -> the target tree's arrays, on the receiving layout: every device holding a
+    region gets its (on CPU aliased) buffer, one batched put per leaf."""
     out = []
-    for i, (path, target, placed) in enumerate(zip(paths, jax.tree.leaves(self.targets), self.leaves)):
-      name, sources = jax.tree_util.keystr(path), sources_of(i, path)
-      views = {}
-      for want, offset in placed:
-        shape = [b - a for a, b in want]
-        view = arena[offset:offset + math.prod(shape) * np.dtype(target.dtype).itemsize]
-        views[want] = view.view(target.dtype).reshape(shape)
-        fill(views[want], want, sources, name)
-      # one batched put per leaf; every device holding a region gets its (aliased) buffer
-      region = lambda index, views=views, shape=target.shape: views[bounds(index, shape)]
+    for target, views, region_of in zip(self._leaves, regions, self._region_of):
+      region = lambda index, views=views, region_of=region_of: views[region_of[_index_key(index)]]
       out.append(jax.make_array_from_callback(target.shape, target.sharding, region))
     return jax.tree.unflatten(jax.tree.structure(self.targets), out)
+
+  def build(self, sources_of, alias=False):
+    return self.arrays(self.start(sources_of, alias).run())
+
+
+class Filling:
+  """A fill under way: its copies, taken one at a time by every thread that runs it (the one that
+  started it, and any that would otherwise wait for it: on loaded cores, more of the CPU for it)."""
+
+  def __init__(self, regions, copies):
+    self.regions = regions  # per leaf, its regions' host arrays
+    self._copies = collections.deque(copies)  # (into, from); popleft is atomic
+    self._left = len(copies)
+    self._lock = threading.Lock()
+    self._done = threading.Event()
+    if not copies:
+      self._done.set()
+
+  def run(self) -> list:
+    """Makes copies until none is left to take, then waits for those others took -> the regions."""
+    while True:
+      try:
+        into, source = self._copies.popleft()
+      except IndexError:
+        break
+      try:
+        np.copyto(into, source)
+      finally:  # counted even if it failed, so no runner waits forever; the failing one raises
+        with self._lock:
+          self._left -= 1
+          if not self._left:
+            self._done.set()
+    self._done.wait()
+    return self.regions

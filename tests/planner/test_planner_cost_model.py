@@ -175,3 +175,33 @@ def test_lora_replica_holds_the_base_and_the_adapters_or_a_merged_copy():
   assert slots[0] >= slots[1] > slots[2]  # a merged copy of 13 GB of projections costs KV room
   # merged, a decode step reads what full fine-tuning's does; unmerged the adapters too
   assert cm.weight_read_bytes(merged, 2) == cm.weight_read_bytes(full, 2) < cm.weight_read_bytes(lora, 2)
+
+
+def _with(cfg, **fields):
+  out = cfg.copy_and_resolve_references()
+  out.update(fields)
+  return out
+
+
+def test_attention_kernels_repeated_kv_heads_count_where_they_run():
+  cfg = load_model("qwen2_7b")[1]  # 28 query heads, 4 KV heads, head_dim 128
+  m = cm.ModelCost.from_config(cfg)
+  none, dots = cm.TrainLayout(1, 4, 2, "none"), cm.TrainLayout(1, 4, 2, "dots")
+  per_token = 2 * (28 - 4) * 128 * m.act_bytes / 2 * cfg.n_layers  # the repeat, split over tensor 2
+  for platform in ("tpu", "gpu"):
+    extra = cm.train_memory(m, none, 4096, 2, platform) - cm.train_memory(m, none, 4096, 2)
+    assert extra == pytest.approx(per_token * 2 * 4096)
+    assert cm.train_memory(m, dots, 4096, 2, platform) == cm.train_memory(m, dots, 4096, 2)  # recomputed
+  portable = cm.ModelCost.from_config(_with(cfg, attention_kernel="portable"))
+  capped = cm.ModelCost.from_config(_with(cfg, attn_logit_softcap=50.0))
+  for other in (portable, capped):
+    assert cm.train_memory(other, none, 4096, 2, "tpu") == cm.train_memory(other, none, 4096, 2)
+  # the planner counts it: 10k-token rows on v5p at fsdp 4 x tensor 4 fit without remat only
+  # when attention runs the portable path; with the kernel the planner recomputes ("dots")
+  mesh = cm.TrainLayout(1, 4, 4, "none")
+  assert cm.train_fits(portable, CAT["v5p"], mesh, 10240) and not cm.train_fits(m, CAT["v5p"], mesh, 10240)
+  chosen = {
+      x: [y.remat for y in cm.train_layouts(x, CAT["v5p"], 16, 10240) if (y.fsdp, y.tensor) == (4, 4)]
+      for x in (portable, m)
+  }
+  assert chosen == {portable: ["none"], m: ["dots"]}

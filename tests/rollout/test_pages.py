@@ -2,14 +2,20 @@
 
 Each case runs one workload on a ring engine and a paged one (same weights, keys and slots, or
 more slots over a pool of the ring's memory) and compares every sample; the trainer parity of
-test_batching then holds for the paged engine too.
+test_batching then holds for the paged engine too. A decode call's contiguous copy of its rows'
+blocks (slots.Pages.narrow, PagedCall) is pinned down on its own.
 """
+import dataclasses
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from rollout.test_batching import CFG, assert_parity, make_engine, run
 
 from jaxrl_hex.models.policy import Policy
+from jaxrl_hex.rollout import slots as S
 from jaxrl_hex.rollout.engine import Request
 
 
@@ -56,9 +62,21 @@ def test_paged_decoding_equals_the_ring(pools, weights, greedy):
   policy, params, _ = weights
   (_, ring), (paged, mine) = both(pools, policy, params, requests, slots=4, greedy=greedy)
   assert_same(ring, mine)
+  assert paged.paged_copy and paged.memory["paged_decode"] == "copy"  # no budget: the call's copy
   assert paged.preemptions == 0 and paged.blocks.held == 0  # every block back once all finished
   if not greedy:
     assert_parity(policy, {0: params}, mine)
+
+
+def test_a_budget_without_room_for_the_calls_copy_decodes_on_the_blocks(pools, weights):
+  policy, params, _ = weights
+  probe = make_engine(pools, policy, max_new_tokens=20, slots=4, kv_page_size=4).memory
+  # room for the pool and the weights, not for a decode call's copy of every slot's blocks
+  need = probe["kv_cache_bytes_per_device"] + probe["params_bytes_per_device"]
+  budget = (need + probe["decode_copy_bytes_per_device"] // 2) / 2**30
+  (_, ring), (paged, mine) = both(pools, policy, params, requests, slots=4, memory_budget_gb=budget)
+  assert not paged.paged_copy and paged.memory["paged_decode"] == "gather"
+  assert_same(ring, mine)
 
 
 def test_group_samples_share_their_full_prompt_blocks(pools, weights):
@@ -106,3 +124,70 @@ def test_a_decode_call_runs_on_the_live_slots_of_each_shard(pools, weights):
   assert engine._rows().tolist() == [1, 6, 9, 8]  # shard-major: 2 of each shard's 8, live first, then idle
   engine._live[[0, 2, 3, 4]] = True  # shard 0: 5 live of 8, all its slots
   assert engine._rows() is None
+
+
+def test_a_decode_call_copies_its_rows_blocks_once_and_writes_its_steps_back():
+  """4 rows over 2 data shards of 8 blocks of 4 positions: a call of 6 steps whose rows start
+  mid-block and cross into other blocks; row 3 does not hold its third block, row 1 ends after
+  step 3. Row r's step t writes r * 10 + t + 1000 (its keys and values) at its column."""
+  page, span, steps, start = 4, 8, 6, np.array([5, 8, 3, 6])
+  table = np.array([[3, 0, 5, 7], [1, 2, 4, 6], [0, 1, 2, 3], [7, 6, 8, 8]], np.int32)  # shard-local; 8: not held
+  state = S.init_state(CFG, S.Layout(4, 16, page, 16, 2), jnp.float32)
+  pools = [tuple(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) for x in entry) for entry in state.cache]
+  state = dataclasses.replace(state, cache=pools, kv=dataclasses.replace(state.kv, table=jnp.asarray(table)),
+                              pos=jnp.asarray(start, jnp.int32))
+  live = np.ones((steps, 4), bool)
+  live[4:, 1] = False
+  call = S.Pages.narrow(state.kv, state, span, steps)
+
+  def block_of(r, pos):  # -> the pool block of row r's position, or None
+    blk = table[r, pos // page]
+    return None if blk >= 8 else (r // 2) * 8 + blk
+
+  for (keys, values), (k_pool, v_pool) in zip(call.cache, pools):  # [R, KV, hd, span + K], [R, KV, span + K, hd]
+    assert keys.shape[-1] == values.shape[2] == span + steps
+    for r in range(4):
+      for pos in range(span):
+        blk = block_of(r, pos)
+        if blk is not None:  # blocks not held read clamped: masked
+          np.testing.assert_array_equal(keys[r, :, :, pos], k_pool[blk, :, :, pos % page])
+          np.testing.assert_array_equal(values[r, :, pos], v_pool[blk, :, pos % page])
+    assert not keys[..., span:].any() and not values[:, :, span:].any()
+  for t in range(steps):
+    kv, mask, index, key_positions = call.kv.step(None, None, jnp.asarray(live[t]))
+    cols = np.arange(span + steps)
+    np.testing.assert_array_equal(mask, np.where(cols < span, cols < start[:, None], cols - span <= t))
+    np.testing.assert_array_equal(key_positions, np.where(cols < span, cols, start[:, None] + cols - span))
+    assert index == span + t
+    mark = (jnp.arange(4) * 10 + t + 1000.0)[:, None, None]
+    cache = [(k.at[:, :, :, index].set(mark), v.at[:, :, index].set(mark)) for k, v in call.cache]
+    call = dataclasses.replace(call, cache=cache, kv=kv)
+  done = call.kv.widen(call, state)
+  assert done.kv is state.kv
+  for (keys, values), (k_pool, v_pool) in zip(done.cache, pools):
+    want_k, want_v = np.array(k_pool), np.array(v_pool)
+    for r, t in zip(*np.nonzero(live.T)):
+      blk = block_of(r, start[r] + t)
+      if blk is not None:
+        want_k[blk, :, :, (start[r] + t) % page] = want_v[blk, :, (start[r] + t) % page] = r * 10 + t + 1000
+    np.testing.assert_array_equal(keys, want_k)
+    np.testing.assert_array_equal(values, want_v)
+
+
+def collectives(engine, span) -> list:
+  """The collectives of the engine's decode program over `span` columns, on all its slots."""
+  params, state = engine._abstract_state()
+  args = (params, state, *engine._decode_args())
+  text = engine._jit(engine._decode_fn(span), len(args), host_outputs=True).lower(*args).compile().as_text()
+  return sorted(re.findall(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)", text))
+
+
+def test_a_paged_decode_call_needs_no_collective_the_rings_does_not(pools, weights):
+  """Each data shard copies its rows' blocks and writes their columns back in its own part of the
+  pool: the sampler's and the loop's collectives only, as the ring's."""
+  policy = weights[0]
+  ring = make_engine(pools, policy, slots=8, max_new_tokens=20)
+  paged = make_engine(pools, policy, slots=8, max_new_tokens=20, kv_page_size=4)
+  expected = collectives(ring, ring._width)
+  assert expected and set(expected) <= {"all-gather", "all-reduce"}
+  assert collectives(paged, 8) == collectives(paged, paged._width) == expected

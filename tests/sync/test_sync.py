@@ -47,6 +47,13 @@ def test_direct_sync_through_the_object_store(pools, ray_session, monkeypatch):
   version, got = make_sync("direct", policy.shapes(), rollout_sh).receive(handle)
   assert version == 7
   assert_same_values(got, params)
+  # a rollout region of wq is two fsdp shards stacked on the first axis, which publish put back to
+  # back: it is used where it lies in the object store, not copied out
+  import ray
+  (first, (ref, i)), = [(b, at) for b, at in handle.payload["['layers'][0]['attn']['wq']"] if b[:2] == ((0, 16), (0, 2))
+                       ]
+  wq = got["layers"][0]["attn"]["wq"]
+  assert ray.get(ref)[i].ctypes.data in {s.data.unsafe_buffer_pointer() for s in wq.addressable_shards}
   assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), got, rollout_sh))
   refs = lambda h: {ref for shards in h.payload.values() for _, (ref, _) in shards}
   assert len(refs(handle)) == 1  # a small model is one object-store put

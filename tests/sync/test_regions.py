@@ -1,0 +1,69 @@
+import threading
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl_hex.sync.regions import ALIGN, RegionPlan
+
+# rollout layout (data=2, tensor=2): a (8, 32) leaf's regions are its two column halves, each held
+# twice; a quarter of it is 256 bytes, so quarters laid end to end stay aligned as the object store's
+SHAPE = (8, 32)
+
+
+def _plan(pools, spec):
+  sharding = NamedSharding(pools["rollout"].mesh, spec)
+  return RegionPlan({"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding)})
+
+
+def _back_to_back(blocks):
+  """Arrays laid end to end in one aligned, read-only buffer, as the object store lays out a chunk."""
+  raw = np.empty(sum(b.nbytes for b in blocks) + ALIGN, np.uint8)
+  at = -raw.ctypes.data % ALIGN
+  out = []
+  for b in blocks:
+    view = raw[at:at + b.nbytes].view(b.dtype).reshape(b.shape)
+    view[...] = b
+    view.flags.writeable = False
+    out.append(view)
+    at += b.nbytes
+  return out
+
+
+def test_regions_stacked_back_to_back_are_aliased_and_others_copied(pools):
+  full = np.arange(256, dtype=np.float32).reshape(SHAPE)
+  # train-like sources: rows split in two, columns in two; ordered as direct puts them (rows adjacent)
+  spans = [((0, 4), (0, 16)), ((4, 8), (0, 16)), ((0, 4), (16, 32)), ((4, 8), (16, 32))]
+  data = _back_to_back([full[r0:r1, c0:c1] for (r0, r1), (c0, c1) in spans])
+  sources = list(zip(spans, data))
+  # columns split: a region is the two row halves stacked, back to back in the buffer -> in place
+  plan = _plan(pools, P(None, "tensor"))
+  (left, right), = plan.start(lambda i, name: sources, alias=True).run()
+  assert left.ctypes.data == data[0].ctypes.data and right.ctypes.data == data[2].ctypes.data
+  np.testing.assert_array_equal(plan.arrays([[left, right]])["w"], full)
+  # the same without alias (the trainer's own buffers): copied into the arena
+  (left, right), = plan.start(lambda i, name: sources).run()
+  assert left.ctypes.data not in {d.ctypes.data for d in data}
+  np.testing.assert_array_equal(np.concatenate([left, right], axis=1), full)
+  # rows split: each region takes the halves of two sources' rows, so it is copied even with alias
+  plan = _plan(pools, P("tensor", None))
+  (top, bottom), = plan.start(lambda i, name: sources, alias=True).run()
+  assert top.ctypes.data not in {d.ctypes.data for d in data}
+  np.testing.assert_array_equal(np.asarray(plan.arrays([[top, bottom]])["w"]), full)
+
+
+def test_a_fill_run_by_several_threads_makes_every_copy_once(pools):
+  full = np.arange(256, dtype=np.float32).reshape(SHAPE)
+  sources = [(((r, r + 1), (0, 32)), full[r:r + 1]) for r in range(8)]  # one source per row: 16 copies
+  plan = _plan(pools, P(None, "tensor"))
+  filling = plan.start(lambda i, name: sources)
+  results = []
+  helpers = [threading.Thread(target=lambda: results.append(filling.run())) for _ in range(3)]
+  for t in helpers:
+    t.start()
+  results.append(filling.run())
+  for t in helpers:
+    t.join()
+  assert all(r is results[0] for r in results)
+  (left, right), = results[0]
+  np.testing.assert_array_equal(np.concatenate([left, right], axis=1), full)
