@@ -64,6 +64,8 @@ def _config(mesh_file, args):
   cfg.rollout.update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new)
   cfg.rollout.eos_ids = [cfg.model.vocab_size - 1]  # random weights: lengths come from the budget, not EOS
   cfg.train.max_staleness = max(args.in_flight - 1, 0)  # eta = 1: two batches in flight
+  cfg.rollout.kv_page_size = args.page
+  cfg.rollout.slots = args.slots
   return cfg
 
 
@@ -99,6 +101,8 @@ def main():
   ap.add_argument("--group", type=int, default=8)
   ap.add_argument("--new", type=int, default=64)
   ap.add_argument("--in-flight", type=int, default=2, help="batches generated at once (eta + 1)")
+  ap.add_argument("--page", type=int, default=0, help="rollout.kv_page_size (0: the contiguous ring)")
+  ap.add_argument("--slots", type=int, default=0, help="rollout.slots of every replica (0: its share's rows)")
   ap.add_argument("--per-core", action="store_true", help="one replica per core: group 1 cut to one replica")
   args = ap.parse_args()
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

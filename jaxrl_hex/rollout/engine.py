@@ -251,7 +251,7 @@ class Engine:
         "budget_bytes_per_device": budget
     }
     if self.paged:  # a decode call's copy of every slot's blocks at full width, split as the pool is
-      copy = S.cache_bytes(cfg, self.num_slots, self.length + self.steps_per_sync, self.cache_dtype) * cache // total
+      copy = S.cache_bytes(cfg, self.num_slots, self._width + self.steps_per_sync, self.cache_dtype) * cache // total
       plan["decode_copy_bytes_per_device"] = copy
       plan["paged_decode"] = "copy" if not budget or cache + params + copy <= budget else "gather"
     if budget and cache + params > budget:
@@ -639,10 +639,13 @@ class Engine:
 
   def _decode(self, stop_on_finish: bool):
     args = self._decode_args(self._live, stop_on_finish)
-    if self.paged:  # copied: the positions cached before the call (its steps' columns follow them);
-      live = np.flatnonzero(self._live)  # else every position its steps reach
-      span = self._span((max(len(self._seqs[s].row) - 1 for s in live) or 1) if self.paged_copy else max(
-          self._blocks_needed(self._seqs[s]) for s in live) * self.layout.page)
+    if self.paged:
+      live = np.flatnonzero(self._live)
+      if self.paged_copy:  # the positions cached before the call; its steps' columns follow them
+        end = max(len(self._seqs[s].row) - 1 for s in live) or 1  # (none cached: the narrowest span, not 0)
+      else:  # every position its steps reach
+        end = max(self._blocks_needed(self._seqs[s]) for s in live) * self.layout.page
+      span = self._span(end)
       table = jax.device_put(self._table, self._state_shardings.kv.table)
       self._state = dataclasses.replace(self._state, kv=dataclasses.replace(self._state.kv, table=table))
       rows = self._rows()

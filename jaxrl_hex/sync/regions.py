@@ -195,11 +195,14 @@ class Filling:
     self._left = len(copies)
     self._lock = threading.Lock()
     self._done = threading.Event()
+    self._failed = None  # a copy's exception: the regions are incomplete
     if not copies:
       self._done.set()
 
   def run(self) -> list:
-    """Makes copies until none is left to take, then waits for those others took -> the regions."""
+    """Makes copies until none is left to take, then waits for those others took -> the regions.
+    Raises in every thread that runs it if any copy failed: a helper that only waited must not
+    hand on regions holding an older version's bytes where that copy was to land."""
     while True:
       try:
         into, source = self._copies.popleft()
@@ -207,10 +210,15 @@ class Filling:
         break
       try:
         np.copyto(into, source)
-      finally:  # counted even if it failed, so no runner waits forever; the failing one raises
+      except BaseException as e:
+        self._failed = e
+        raise
+      finally:  # counted even if it failed, so no runner waits forever
         with self._lock:
           self._left -= 1
           if not self._left:
             self._done.set()
     self._done.wait()
+    if self._failed is not None:
+      raise RuntimeError("weight sync: a region copy failed") from self._failed
     return self.regions

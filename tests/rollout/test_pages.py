@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from rollout.test_batching import CFG, assert_parity, make_engine, run
 
+from jaxrl_hex.models.decoder import map_cache
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rollout import slots as S
 from jaxrl_hex.rollout.engine import Request
@@ -172,6 +173,34 @@ def test_a_decode_call_copies_its_rows_blocks_once_and_writes_its_steps_back():
         want_k[blk, :, :, (start[r] + t) % page] = want_v[blk, :, (start[r] + t) % page] = r * 10 + t + 1000
     np.testing.assert_array_equal(keys, want_k)
     np.testing.assert_array_equal(values, want_v)
+
+
+def test_a_stacked_cache_is_copied_and_written_back_as_its_layers_are():
+  """scan_layers: each pool array leads with the layer axis (the batch axis second); a call's copy
+  and its write-back are its layers', stacked."""
+  page, span, steps = 4, 8, 3
+  table = np.array([[3, 0, 5, 7], [1, 2, 8, 8]], np.int32)  # a row per data shard; 8: not held
+  state = S.init_state(CFG, S.Layout(2, 16, page, 16, 2), jnp.float32)
+  state = dataclasses.replace(state, kv=dataclasses.replace(state.kv, table=jnp.asarray(table)),
+                              pos=jnp.asarray([6, 7], jnp.int32))
+  rng = np.random.default_rng(0)
+  layers = [tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in entry) for entry in state.cache]
+  stack = lambda cache: [tuple(jnp.stack(xs) for xs in zip(*cache))]
+  results = []
+  for cache in (layers, stack(layers)):
+    full = dataclasses.replace(state, cache=cache)
+    call = S.Pages.narrow(full.kv, full, span, steps)
+    copied = call.cache
+    for t in range(steps):  # row 1 ends after step 1
+      kv, _, index, _ = call.kv.step(None, None, jnp.asarray([True, t < 2]))
+      put = lambda x, axes, t=t, index=index: x.at[(slice(None),) * axes.index("length") + (index,)].set(t + 100.0)
+      call = dataclasses.replace(call, cache=map_cache(put, call.cache), kv=kv)
+    results.append((copied, call.kv.widen(call, full).cache))
+  (copied, written), stacked = results
+  assert (np.asarray(written[0][0]) == 100.0).any()  # the write-back happened
+  for per_layer, whole in zip((copied, written), stacked):
+    for x, y in zip(stack(per_layer)[0], whole[0]):
+      np.testing.assert_array_equal(x, y)
 
 
 def collectives(engine, span) -> list:

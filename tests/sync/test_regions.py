@@ -2,6 +2,7 @@ import threading
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_hex.sync.regions import ALIGN, RegionPlan
@@ -52,11 +53,13 @@ def test_regions_stacked_back_to_back_are_aliased_and_others_copied(pools):
   np.testing.assert_array_equal(np.asarray(plan.arrays([[top, bottom]])["w"]), full)
 
 
-def test_a_fill_run_by_several_threads_makes_every_copy_once(pools):
+def test_a_fill_run_by_several_threads_makes_every_copy_once(pools, monkeypatch):
   full = np.arange(256, dtype=np.float32).reshape(SHAPE)
   sources = [(((r, r + 1), (0, 32)), full[r:r + 1]) for r in range(8)]  # one source per row: 16 copies
   plan = _plan(pools, P(None, "tensor"))
   filling = plan.start(lambda i, name: sources)
+  copies, copyto = [], np.copyto
+  monkeypatch.setattr(np, "copyto", lambda into, source: copies.append(into.shape) or copyto(into, source))
   results = []
   helpers = [threading.Thread(target=lambda: results.append(filling.run())) for _ in range(3)]
   for t in helpers:
@@ -67,3 +70,16 @@ def test_a_fill_run_by_several_threads_makes_every_copy_once(pools):
   assert all(r is results[0] for r in results)
   (left, right), = results[0]
   np.testing.assert_array_equal(np.concatenate([left, right], axis=1), full)
+  assert copies == [(1, 16)] * 16
+
+
+def test_a_failed_copy_fails_every_run_of_the_fill(pools):
+  full = np.arange(256, dtype=np.float32).reshape(SHAPE)
+  # one source per region; the left one's dtype does not cast to the target's, so its copy fails
+  sources = [(((0, 8), (0, 16)), full[:, :16].astype(np.complex64)), (((0, 8), (16, 32)), full[:, 16:])]
+  filling = _plan(pools, P(None, "tensor")).start(lambda i, name: sources)
+  with pytest.raises(TypeError):
+    filling.run()
+  # a thread that runs it afterwards makes the copy left and learns the regions are incomplete
+  with pytest.raises(RuntimeError, match="a region copy failed"):
+    filling.run()
