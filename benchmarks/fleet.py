@@ -11,6 +11,8 @@ for every configuration, two batches in flight as at eta = 1 (--in-flight):
 
   python benchmarks/fleet.py [--batches 8 --prompts 8 --group 8 --new 64]  ->  benchmarks/out/fleet.json
   python benchmarks/fleet.py --per-core --in-flight 1   # -> fleet-per-core-1.json: a replica per core
+  python benchmarks/fleet.py --per-core --in-flight 1 --slots 32 --prompts 16 --batches 6
+      # a batch larger than one replica's engine (4 groups of slots, 16 groups a batch): a real fleet
 
 --per-core keeps the premise of a real fleet on this 2-core machine: every replica has a core of its
 own, so a replica that waits leaves its hardware idle (with two replicas on core 1, the one that waits

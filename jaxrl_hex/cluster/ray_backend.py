@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from jaxrl_hex.cluster.local import sync_directory
-from jaxrl_hex.cluster.router import Router
+from jaxrl_hex.cluster.router import Router, prior_shares
 from jaxrl_hex.cluster.workers import RolloutWorker, TrainWorker, accelerator_kind
 from jaxrl_hex.data.rollouts import concat_rollouts, select_rows
 from jaxrl_hex.errors import RunStopped, UserError
@@ -266,9 +266,9 @@ class RayRolloutSide:
   """One RolloutWorker per replica of the rollout pool's replica_specs() (each replica group's own
   layout, device type and pinning), fed by a Router: generate() hands a batch's prompt groups
   to the router and returns once every group is done. One thread per replica keeps its engine
-  full: each call on the worker queues the chunks its free slots have room for (plus one group,
-  so slots freed at a hand-back refill at once) and runs hand-backs until a chunk finishes or
-  slots would idle. Several batches may be in flight (up to `replicas`, by the gate) and share
+  full: each call on the worker queues the chunks its free slots can start (a group it could not
+  start would wait there for a slot while another replica could start it) and runs hand-backs
+  until a chunk finishes or slots would idle. Several batches may be in flight (up to `replicas`, by the gate) and share
   a replica's decode steps."""
 
   def __init__(self, rt, workdir):
@@ -289,10 +289,13 @@ class RayRolloutSide:
         _actor(RolloutWorker, s, max_concurrency=4, **(_group_options(s, rt.mesh_file.platform) if groups else {}))
         for s in self.replica_specs
     ]
-    self.router = Router(self.replicas, shares)
     self.in_flight = min(self.replicas, rt.cfg.train.max_staleness + 1)  # batches the gate lets in at once
-    self.slots = [_slots(rt.cfg, share, s, self.replicas) for share, s in zip(self.router.prior, self.replica_specs)]
-    self.room = [n // rt.cfg.rollout.group_size + 1 for n in self.slots]  # groups a replica holds
+    self.slots = [
+        _slots(rt.cfg, share, s, self.replicas)
+        for share, s in zip(prior_shares(self.replicas, shares), self.replica_specs)
+    ]
+    self.room = [max(1, n // rt.cfg.rollout.group_size) for n in self.slots]  # groups a replica's engine runs at once
+    self.router = Router(self.replicas, shares, capacity=self.room)
     # per replica since the start: tokens, slot-steps (occupancy = their ratio), generation seconds
     # (prefill and the engine's host work included: the speed routing follows) and decode seconds
     # (the decode steps' programs alone: the cost model's decode step, which calibration fits)
@@ -364,7 +367,7 @@ class RayRolloutSide:
         timeout = None
       else:
         coming = self.router.unfinished() < self.in_flight
-        timeout = TOP_UP_WAIT_S if coming and n < self.room[i] - 1 and not taken else 0
+        timeout = TOP_UP_WAIT_S if coming and not taken else 0
       chunk = self.router.next_chunk(i, most=self.room[i] - n, timeout=timeout)
       if chunk is None:
         break

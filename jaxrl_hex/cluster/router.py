@@ -8,6 +8,14 @@ stays stealable) and its room allows. Once its allotment is taken it takes unsta
 wherever they are (work stealing), so a batch is done when the fleet is, not when its slowest
 member is. A replica may hold several chunks at once (they share its engine's decode steps).
 
+With `capacity` (the groups each replica's engine runs at once, its slots) a chunk runs as a
+wave: its groups decode together and end together, so two groups cost a replica about what one
+does. There, once every replica's chunk seconds are measured, shares give way to earliest finish
+(`_earliest_finish`): each unstarted group goes to the replica that would finish it first,
+counting its free capacity now and the capacity its running chunks free when they are expected
+to end. A slow replica then leaves the last groups of a batch to a fast one's next wave when that
+ends sooner than its own would, instead of holding the batch for a whole slow wave.
+
 Shares start from the planner's per-replica `share` (or equal) and follow each replica's
 measured tokens/s (an exponential moving average over what the replica reports, `measure`). A
 lost replica's chunks go back to the front of their batches' queues, so every group is
@@ -23,6 +31,16 @@ import time
 import typing
 
 from jaxrl_hex.metrics import covered_seconds
+
+
+def prior_shares(replicas: int, shares=None) -> list:
+  """The planner's per-replica shares normalised to sum to 1; equal where they are incomplete."""
+  if replicas < 1:
+    raise ValueError("a router needs at least one replica")
+  if shares is not None and (len(shares) != replicas or any(s is None or s <= 0 for s in shares)):
+    shares = None
+  total = sum(shares) if shares else replicas
+  return [s / total for s in shares] if shares else [1.0 / replicas] * replicas
 
 
 class RouterClosed(Exception):
@@ -70,19 +88,22 @@ class Router:
   wait(key) -> (results, stats)            [(positions, result)] once every group of the batch is done
   """
 
-  def __init__(self, replicas: int, shares=None, pieces: int = 1, alpha: float = 0.5, clock=time.monotonic):
-    if replicas < 1:
-      raise ValueError("a router needs at least one replica")
-    if shares is not None and (len(shares) != replicas or any(s is None or s <= 0 for s in shares)):
-      shares = None  # incomplete planner shares: start equal
-    total = sum(shares) if shares else replicas
-    self.prior = [s / total for s in shares] if shares else [1.0 / replicas] * replicas
+  def __init__(self, replicas: int, shares=None, pieces: int = 1, alpha: float = 0.5, clock=time.monotonic,
+               capacity=None):
+    """capacity: per replica, the groups its engine runs at once (None: unlimited)."""
+    self.prior = prior_shares(replicas, shares)
     self.replicas, self.pieces, self.alpha, self.clock = replicas, max(int(pieces), 1), alpha, clock
+    self.limited = capacity is not None  # engines of so many slots: chunks run in waves (earliest finish)
+    self.capacity = list(capacity) if capacity is not None else [math.inf] * replicas
     self.rate = [None] * replicas  # EMA of measured tokens/s
     self.stats = [{"prompts": 0, "tokens": 0, "chunks": 0, "busy_s": 0.0, "idle_s": 0.0} for _ in range(replicas)]
     self._batches = collections.OrderedDict()  # key -> _Batch, in the order they were added
     self._busy = [[] for _ in range(replicas)]  # per replica: [start, end or None] while it holds any chunk
     self._held = [0] * replicas  # chunks each replica holds
+    self._groups = [0] * replicas  # groups each replica holds
+    self._lost = set()  # replicas that gave back a chunk and have not asked for work since
+    self._open = [{} for _ in range(replicas)]  # per replica: chunk id -> (started, groups) of the chunks it holds
+    self.chunk_s = [None] * replicas  # EMA of a chunk's seconds from start to finish, per replica
     self._ids = 0
     self._waiting = {}  # replica -> when it started waiting (or was last credited idle time)
     self._active_since = None  # since when some batch is unfinished (idle time counts only then)
@@ -122,35 +143,91 @@ class Router:
       return sum(b.finished is None for b in self._batches.values())
 
   def _chunk_size(self, b: _Batch, replica: int, most: int | None) -> int:
-    """Groups `replica` takes of batch `b` now: a piece of its allotment, or, once that is
-    taken and the replica holds nothing, a piece-sized steal of what is still unstarted (a
-    replica with work in hand that stole would take groups from a replica about to ask for
-    them, and hold them longer); at most `most`. 0: nothing for it in `b`."""
+    """Groups `replica` takes of batch `b` now, at most its free capacity and `most` (0: nothing
+    for it in `b`): a piece of its allotment; once that is taken, a piece-sized steal if it holds
+    nothing, else the groups of `b` that no other replica has the allotment and the free
+    capacity to start now (they would wait for a slot there; here one is free)."""
+    free = self.capacity[replica] - self._groups[replica]
     piece = max(1, math.ceil(b.allot[replica] / self.pieces - 1e-9))
     own = round(b.allot[replica] - b.taken[replica])
-    size = min(piece, own) if own >= 1 else (piece if self._held[replica] == 0 else 0)
+    if own >= 1:
+      size = min(piece, own)
+    elif self._held[replica] == 0:
+      size = piece
+    else:
+      others = sum(
+          min(max(round(b.allot[q] - b.taken[q]), 0), self.capacity[q] - self._groups[q]) for q in range(self.replicas)
+          if q != replica)
+      size = len(b.unstarted) - others
+    size = min(size, free, len(b.unstarted))
     if most is not None:
       size = min(size, most)
-    return min(size, len(b.unstarted))
+    return max(0, int(size))
+
+  def _earliest_finish(self, replica: int, most: int | None) -> dict:
+    """Batch key -> how many of its unstarted groups `replica` starts now: the unstarted groups,
+    oldest batch first, each go where they would finish first, by list scheduling over every
+    replica but a lost one (until its replacement asks). A replica starts groups in its free capacity now
+    and in the capacity each of its chunks frees when it is expected to end, then in whole waves;
+    a chunk takes its replica's measured chunk seconds (`chunk_s`). So an idle slow replica
+    leaves groups that a busy fast one would finish sooner, and takes the ones it would not."""
+    now = self.clock()
+    ready = [q for q in range(self.replicas) if q == replica or q not in self._lost]
+
+    def openings(q):  # (start, groups it can start then), in time order
+      free = self.capacity[q] - self._groups[q]
+      if q == replica and most is not None:
+        free = min(free, most)
+      if free > 0:
+        yield now, free
+      end = now
+      for started, n in sorted(self._open[q].values()):
+        end = max(now, started + self.chunk_s[q])
+        yield end, n
+      while True:
+        end += self.chunk_s[q]
+        yield end, self.capacity[q]
+
+    gens = {q: openings(q) for q in ready}
+    head = {q: list(next(gens[q])) for q in ready}
+    first = head[replica][0] == now  # the asker can start groups now
+    ours = {}
+    for b in self._batches.values():
+      if b.error is not None:
+        continue
+      for _ in range(len(b.unstarted)):
+        q = min(ready, key=lambda q: (head[q][0] + self.chunk_s[q], q != replica))
+        if q == replica and first and head[q][0] == now:
+          ours[b.key] = ours.get(b.key, 0) + 1
+        head[q][1] -= 1
+        if head[q][1] <= 0:
+          head[q] = list(next(gens[q]))
+    return ours
 
   def next_chunk(self, replica: int, most: int | None = None, timeout: float | None = None) -> Chunk | None:
     deadline = None if timeout is None else self.clock() + timeout
     with self._cond:
+      self._lost.discard(replica)
       waiting = self._held[replica] == 0  # a replica with work in hand is topping up, not idle
       if waiting:
         self._waiting[replica] = self.clock()
       try:
         while self._closed is None:
+          timed = self.limited and all(d is not None for d in self.chunk_s)
+          ours = self._earliest_finish(replica, most) if timed else None
           b, n = next(((b, n) for b in self._batches.values() if b.unstarted and b.error is None
-                       for n in [self._chunk_size(b, replica, most)] if n > 0), (None, 0))
+                       for n in [ours.get(b.key, 0) if timed else self._chunk_size(b, replica, most)] if n > 0),
+                      (None, 0))
           if b is not None:
             now = self.clock()
             if waiting:
               self._credit_idle(replica, now)
             positions = [b.unstarted.popleft() for _ in range(n)]
             b.taken[replica] += n
+            self._groups[replica] += n
             self._hold(replica, now, +1)
             self._ids += 1
+            self._open[replica][self._ids] = (now, n)
             return Chunk(b.key, positions, [b.groups[p] for p in positions], replica, b.context, now, self._ids)
           left = None if deadline is None else deadline - self.clock()
           if left is not None and left <= 0:
@@ -197,6 +274,10 @@ class Router:
       now = self.clock()
       r = chunk.replica
       self._hold(r, now, -1)
+      self._groups[r] -= len(chunk.positions)
+      self._open[r].pop(chunk.id, None)
+      seconds, old = now - chunk.started, self.chunk_s[r]
+      self.chunk_s[r] = seconds if old is None else self.alpha * seconds + (1 - self.alpha) * old
       s = self.stats[r]
       s["prompts"] += len(chunk.positions)
       s["tokens"] += int(tokens)
@@ -219,6 +300,9 @@ class Router:
     in order, and count again toward that replica's allotment (its replacement takes them)."""
     with self._cond:
       self._hold(chunk.replica, self.clock(), -1)
+      self._groups[chunk.replica] -= len(chunk.positions)
+      self._open[chunk.replica].pop(chunk.id, None)
+      self._lost.add(chunk.replica)
       b = self._batches.get(chunk.batch)
       if b is not None and b.error is None:
         b.unstarted.extendleft(reversed(chunk.positions))

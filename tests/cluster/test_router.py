@@ -11,12 +11,16 @@ TOKENS = 10  # tokens a prompt group generates in the simulation
 
 class Fleet:
   """Replicas generating at `speeds` tokens/s on a virtual clock; batches of `size` groups are
-  admitted `in_flight` at a time, in order, as the orchestrator's gate does."""
+  admitted `in_flight` at a time, in order, as the orchestrator's gate does. With `capacity`
+  (groups an engine runs at once) a chunk takes one wave, however many groups it has (a ring
+  engine's step computes every slot), and a replica with free capacity asks again at once;
+  without, a chunk's time grows with its groups and only an idle replica asks."""
 
-  def __init__(self, speeds, shares=None, pieces=1, lose=()):
+  def __init__(self, speeds, shares=None, pieces=1, lose=(), capacity=None):
     self.now = 0.0
     self.speeds = list(speeds)
-    self.router = Router(len(speeds), shares, pieces=pieces, clock=lambda: self.now)
+    self.capacity = capacity
+    self.router = Router(len(speeds), shares, pieces=pieces, clock=lambda: self.now, capacity=capacity)
     self.lose = set(lose)  # (replica, n-th chunk it takes): that chunk's replica is lost mid-way
     self.chunks = []  # every chunk handed out, in order
     self.finished = []  # batch keys in the order they completed
@@ -31,14 +35,18 @@ class Fleet:
         k, groups = pending.pop(0)
         self.router.add_batch(k, groups, context=("ctx", k))
         admitted.append(k)
-      for r in sorted(idle):
+      asking = sorted(idle) if self.capacity is None else list(range(len(self.speeds)))
+      for r in asking:
         chunk = self.router.next_chunk(r, timeout=0)
         if chunk is None:
           continue
         idle.discard(r)
+        if self.capacity is not None:
+          asking.append(r)  # its free capacity may take more
         self.chunks.append(chunk)
         n = taken[r] = taken.get(r, 0) + 1
-        seconds = len(chunk.groups) * TOKENS / self.speeds[r]
+        waves = 1 if self.capacity is not None else len(chunk.groups)
+        seconds = waves * TOKENS / self.speeds[r]
         lost = (r, n) in self.lose
         heapq.heappush(events, (self.now + (seconds / 2 if lost else seconds), len(self.chunks), chunk, lost))
       self.now, _, chunk, lost = heapq.heappop(events)
@@ -85,9 +93,10 @@ def test_every_group_once_and_whole_under_work_stealing(pieces):
   assert max(per_batch[k, 1] for k in range(6)) > 12 / 3
 
 
-def test_lost_replica_chunk_goes_back_to_the_front_and_nothing_is_lost_or_repeated():
+@pytest.mark.parametrize("capacity", [None, [3, 3, 3]])
+def test_lost_replica_chunk_goes_back_to_the_front_and_nothing_is_lost_or_repeated(capacity):
   batches = _batches(4, 9)
-  fleet = Fleet([2.0, 2.0, 1.0], lose={(0, 1), (2, 2)}).run(batches)
+  fleet = Fleet([2.0, 2.0, 1.0], lose={(0, 1), (2, 2)}, capacity=capacity).run(batches)
   _check_exactly_once(fleet, batches)
   first = fleet.chunks[0]
   assert first.replica == 0 and first.batch == 0
@@ -95,6 +104,21 @@ def test_lost_replica_chunk_goes_back_to_the_front_and_nothing_is_lost_or_repeat
   again = next(c for c in fleet.chunks[3:] if set(c.positions) & set(first.positions) and c.batch == 0)
   assert again.positions[0] == first.positions[0]
   assert sum(fleet.router.stats[r]["prompts"] for r in range(3)) == 4 * 9
+
+
+def test_waves_go_to_the_replica_where_they_finish_first():
+  # a replica 1.8x as fast as the other, engines of 4 groups each, batches of 16 groups, one in flight
+  fast, slow = TOKENS / 1.8, TOKENS / 1.0  # seconds of a wave
+  batches = _batches(5, 16)
+  fleet = Fleet([1.0, 1.8], capacity=[4, 4]).run(batches, in_flight=1)
+  _check_exactly_once(fleet, batches)
+  assert fleet.router.chunk_s == pytest.approx([slow, fast])
+  for k in range(1, 5):  # once both waves are measured
+    # the slow replica runs one wave and leaves the last 4 groups to the fast one's third wave: the
+    # share split (about 6 groups there) would wait for its second wave, and 20 s instead of 16.7
+    assert [r["prompts"] for r in fleet.stats[k]["replicas"]] == [4, 12]
+    assert fleet.stats[k]["seconds"] == pytest.approx(3 * fast)
+    assert fleet.stats[k]["replicas"][1]["idle_s"] == pytest.approx(0)
 
 
 def test_shares_follow_measured_speed_from_the_planner_prior():
