@@ -174,12 +174,13 @@ class Router:
     now = self.clock()
     ready = [q for q in range(self.replicas) if q == replica or q not in self._lost]
 
+    def free(q):  # groups q can start now: its free capacity (the asker's at most `most`)
+      n = self.capacity[q] - self._groups[q]
+      return min(n, most) if q == replica and most is not None else n
+
     def openings(q):  # (start, groups it can start then), in time order
-      free = self.capacity[q] - self._groups[q]
-      if q == replica and most is not None:
-        free = min(free, most)
-      if free > 0:
-        yield now, free
+      if free(q) > 0:
+        yield now, free(q)
       end = now
       for started, n in sorted(self._open[q].values()):
         end = max(now, started + self.chunk_s[q])
@@ -190,15 +191,16 @@ class Router:
 
     gens = {q: openings(q) for q in ready}
     head = {q: list(next(gens[q])) for q in ready}
-    first = head[replica][0] == now  # the asker can start groups now
+    left = max(free(replica), 0)  # what the asker starts now: a chunk due by now still holds its slots
     ours = {}
     for b in self._batches.values():
       if b.error is not None:
         continue
       for _ in range(len(b.unstarted)):
         q = min(ready, key=lambda q: (head[q][0] + self.chunk_s[q], q != replica))
-        if q == replica and first and head[q][0] == now:
+        if q == replica and left > 0:  # its free opening comes first: these groups are the ones in it
           ours[b.key] = ours.get(b.key, 0) + 1
+          left -= 1
         head[q][1] -= 1
         if head[q][1] <= 0:
           head[q] = list(next(gens[q]))
@@ -278,6 +280,7 @@ class Router:
       self._open[r].pop(chunk.id, None)
       seconds, old = now - chunk.started, self.chunk_s[r]
       self.chunk_s[r] = seconds if old is None else self.alpha * seconds + (1 - self.alpha) * old
+      self._cond.notify_all()  # freed capacity and chunk seconds change the schedule, whatever became of the batch
       s = self.stats[r]
       s["prompts"] += len(chunk.positions)
       s["tokens"] += int(tokens)
@@ -293,7 +296,6 @@ class Router:
       mine["spans"].append((chunk.started, now))
       if b.done == len(b.groups):
         self._complete(b, now)
-      self._cond.notify_all()
 
   def give_back(self, chunk: Chunk):
     """A lost replica's unfinished chunk: its groups go back to the front of their batch's queue,

@@ -49,6 +49,8 @@ class Fleet:
         seconds = waves * TOKENS / self.speeds[r]
         lost = (r, n) in self.lose
         heapq.heappush(events, (self.now + (seconds / 2 if lost else seconds), len(self.chunks), chunk, lost))
+        if self.capacity is not None:  # an engine never holds more groups than it runs at once
+          assert sum(len(c.groups) for _, _, c, _ in events if c.replica == r) <= self.capacity[r]
       self.now, _, chunk, lost = heapq.heappop(events)
       idle.add(chunk.replica)
       if lost:
@@ -119,6 +121,51 @@ def test_waves_go_to_the_replica_where_they_finish_first():
     assert [r["prompts"] for r in fleet.stats[k]["replicas"]] == [4, 12]
     assert fleet.stats[k]["seconds"] == pytest.approx(3 * fast)
     assert fleet.stats[k]["replicas"][1]["idle_s"] == pytest.approx(0)
+
+
+def test_a_chunk_due_by_now_keeps_its_slots_until_it_finishes():
+  clock = [0.0]
+  router = Router(2, capacity=[4, 4], clock=lambda: clock[0])
+  router.add_batch(0, list(range(8)))
+  a, b = router.next_chunk(0, most=2, timeout=0), router.next_chunk(0, most=2, timeout=0)
+  c = router.next_chunk(1, timeout=0)
+  clock[0] = 1.0
+  router.finish(c, None, tokens=40)
+  router.finish(a, None, tokens=20)  # chunk seconds [1, 1]: b, started with a, is due now and still runs
+  router.add_batch(1, list(range(8)))
+  clock[0] = 1.5
+  top_up = router.next_chunk(0, most=2, timeout=0)  # the two slots a freed, not b's as well
+  assert (len(b.groups), len(top_up.groups)) == (2, 2)
+  assert len(router.next_chunk(1, timeout=0).groups) == 4
+
+
+def test_a_finish_into_a_failed_batch_wakes_a_replica_the_schedule_now_gives_work():
+  clock = [0.0]
+  router = Router(2, capacity=[4, 4], clock=lambda: clock[0])
+  router.add_batch("warm", list(range(8)))
+  slow, fast = router.next_chunk(0, timeout=0), router.next_chunk(1, timeout=0)
+  clock[0] = 1.0
+  router.finish(fast, None, tokens=40)
+  clock[0] = 3.0
+  router.finish(slow, None, tokens=40)  # a wave takes 3 s on replica 0, 1 s on replica 1
+  router.wait("warm", timeout=0)
+  router.add_batch("x", list(range(4)))
+  x = router.next_chunk(1, timeout=0)
+  router.fail("x", ValueError("reward crashed"))  # x's chunk still runs on replica 1
+  router.add_batch("y", list(range(4)))  # replica 1's next wave finishes it first (5 s, not 6 s)
+  got = []
+  idle = threading.Thread(target=lambda: got.append(router.next_chunk(0)))
+  idle.start()
+  while 0 not in router._waiting and idle.is_alive():  # replica 0 declined y and waits
+    idle.join(timeout=0.001)
+  clock[0] = 13.0
+  router.finish(x, None, tokens=40)  # x ran 10 s: replica 1's chunk seconds 5.5, so y is replica 0's now
+  try:
+    idle.join(timeout=5)
+    assert not idle.is_alive() and got[0].batch == "y" and len(got[0].groups) == 4
+  finally:
+    router.close()
+    idle.join(timeout=5)
 
 
 def test_shares_follow_measured_speed_from_the_planner_prior():
