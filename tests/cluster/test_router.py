@@ -260,3 +260,33 @@ def test_a_replica_holding_several_chunks_tops_up_within_its_room_and_is_busy_on
   results, stats = router.wait(0, timeout=0)
   assert [r["busy_s"] for r in stats["replicas"]] == [5.0, 2.0]
   assert [r["idle_s"] for r in stats["replicas"]] == [2.0, 5.0]
+
+
+def test_a_lost_replica_holding_several_chunks_gives_them_all_back_and_is_not_counted_on():
+  clock = [0.0]
+  router = Router(2, clock=lambda: clock[0], capacity=[4, 4])
+  router.add_batch(0, list(range(8)))
+  warm = [router.next_chunk(r, timeout=0) for r in (0, 1)]  # shares: 4 each
+  clock[0] = 1.0
+  router.finish(warm[0], None, tokens=10)
+  clock[0] = 2.0
+  router.finish(warm[1], None, tokens=10)
+  router.wait(0, timeout=0)
+  assert router.chunk_s == [1.0, 2.0]  # both measured: earliest finish from here on; replica 0 the faster
+  router.add_batch(1, list(range(6)))
+  a = router.next_chunk(0, most=2, timeout=0)
+  b = router.next_chunk(0, most=2, timeout=0)
+  assert (len(a.groups), len(b.groups)) == (2, 2)
+  router.give_back(a)  # replica 0 is lost with both chunks
+  router.give_back(b)
+  assert router._groups == [0, 0] and router._open[0] == {}
+  # replica 1 does not leave groups to the lost (faster) replica's free slots: it takes all it can start
+  c = router.next_chunk(1, timeout=0)
+  assert sorted(c.positions) == [0, 1, 2, 3]  # the given-back groups first
+  d = router.next_chunk(0, timeout=0)  # the replacement asks: the rest
+  assert d.positions == [4, 5]
+  clock[0] = 3.0
+  router.finish(c, None, tokens=40)
+  router.finish(d, None, tokens=20)
+  results, _ = router.wait(1, timeout=0)
+  assert sorted(p for ps, _ in results for p in ps) == list(range(6))
