@@ -268,8 +268,8 @@ class RayRolloutSide:
   to the router and returns once every group is done. One thread per replica keeps its engine
   full: each call on the worker queues the chunks its free slots can start (a group it could not
   start would wait there for a slot while another replica could start it) and runs hand-backs
-  until a chunk finishes or slots would idle. Several batches may be in flight (up to `replicas`, by the gate) and share
-  a replica's decode steps."""
+  until a chunk finishes or slots would idle. Several batches may be in flight (up to
+  `replicas`, by the gate) and share a replica's decode steps."""
 
   def __init__(self, rt, workdir):
     import ray

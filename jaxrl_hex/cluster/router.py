@@ -100,7 +100,6 @@ class Router:
     self._batches = collections.OrderedDict()  # key -> _Batch, in the order they were added
     self._busy = [[] for _ in range(replicas)]  # per replica: [start, end or None] while it holds any chunk
     self._held = [0] * replicas  # chunks each replica holds
-    self._groups = [0] * replicas  # groups each replica holds
     self._lost = set()  # replicas that gave back a chunk and have not asked for work since
     self._open = [{} for _ in range(replicas)]  # per replica: chunk id -> (started, groups) of the chunks it holds
     self.chunk_s = [None] * replicas  # EMA of a chunk's seconds from start to finish, per replica
@@ -142,12 +141,16 @@ class Router:
     with self._cond:
       return sum(b.finished is None for b in self._batches.values())
 
+  def _free(self, q) -> float:
+    """Groups replica q's engine can start now: its capacity less the groups of its chunks."""
+    return self.capacity[q] - sum(n for _, n in self._open[q].values())
+
   def _chunk_size(self, b: _Batch, replica: int, most: int | None) -> int:
     """Groups `replica` takes of batch `b` now, at most its free capacity and `most` (0: nothing
     for it in `b`): a piece of its allotment; once that is taken, a piece-sized steal if it holds
     nothing, else the groups of `b` that no other replica has the allotment and the free
     capacity to start now (they would wait for a slot there; here one is free)."""
-    free = self.capacity[replica] - self._groups[replica]
+    free = self._free(replica)
     piece = max(1, math.ceil(b.allot[replica] / self.pieces - 1e-9))
     own = round(b.allot[replica] - b.taken[replica])
     if own >= 1:
@@ -156,8 +159,7 @@ class Router:
       size = piece
     else:
       others = sum(
-          min(max(round(b.allot[q] - b.taken[q]), 0), self.capacity[q] - self._groups[q]) for q in range(self.replicas)
-          if q != replica)
+          min(max(round(b.allot[q] - b.taken[q]), 0), self._free(q)) for q in range(self.replicas) if q != replica)
       size = len(b.unstarted) - others
     size = min(size, free, len(b.unstarted))
     if most is not None:
@@ -175,7 +177,7 @@ class Router:
     ready = [q for q in range(self.replicas) if q == replica or q not in self._lost]
 
     def free(q):  # groups q can start now: its free capacity (the asker's at most `most`)
-      n = self.capacity[q] - self._groups[q]
+      n = self._free(q)
       return min(n, most) if q == replica and most is not None else n
 
     def openings(q):  # (start, groups it can start then), in time order
@@ -226,7 +228,6 @@ class Router:
               self._credit_idle(replica, now)
             positions = [b.unstarted.popleft() for _ in range(n)]
             b.taken[replica] += n
-            self._groups[replica] += n
             self._hold(replica, now, +1)
             self._ids += 1
             self._open[replica][self._ids] = (now, n)
@@ -276,7 +277,6 @@ class Router:
       now = self.clock()
       r = chunk.replica
       self._hold(r, now, -1)
-      self._groups[r] -= len(chunk.positions)
       self._open[r].pop(chunk.id, None)
       seconds, old = now - chunk.started, self.chunk_s[r]
       self.chunk_s[r] = seconds if old is None else self.alpha * seconds + (1 - self.alpha) * old
@@ -302,7 +302,6 @@ class Router:
     in order, and count again toward that replica's allotment (its replacement takes them)."""
     with self._cond:
       self._hold(chunk.replica, self.clock(), -1)
-      self._groups[chunk.replica] -= len(chunk.positions)
       self._open[chunk.replica].pop(chunk.id, None)
       self._lost.add(chunk.replica)
       b = self._batches.get(chunk.batch)
