@@ -217,7 +217,7 @@ class Router:
         self._waiting[replica] = self.clock()
       try:
         while self._closed is None:
-          timed = self.limited and all(d is not None for d in self.chunk_s)
+          timed = self.limited and all(s["chunks"] >= 2 for s in self.stats)  # settled estimates
           ours = self._earliest_finish(replica, most) if timed else None
           b, n = next(((b, n) for b in self._batches.values() if b.unstarted and b.error is None
                        for n in [ours.get(b.key, 0) if timed else self._chunk_size(b, replica, most)] if n > 0),
@@ -278,10 +278,12 @@ class Router:
       r = chunk.replica
       self._hold(r, now, -1)
       self._open[r].pop(chunk.id, None)
-      seconds, old = now - chunk.started, self.chunk_s[r]
-      self.chunk_s[r] = seconds if old is None else self.alpha * seconds + (1 - self.alpha) * old
+      s, seconds, old = self.stats[r], now - chunk.started, self.chunk_s[r]
+      # a replica's first chunk carries first-run costs (allocations, the first weights): its second
+      # replaces it rather than averaging with it, and until every replica has finished two the
+      # share split routes (a replica rated by its first chunk alone might never be given a second)
+      self.chunk_s[r] = seconds if s["chunks"] <= 1 else self.alpha * seconds + (1 - self.alpha) * old
       self._cond.notify_all()  # freed capacity and chunk seconds change the schedule, whatever became of the batch
-      s = self.stats[r]
       s["prompts"] += len(chunk.positions)
       s["tokens"] += int(tokens)
       s["chunks"] += 1
