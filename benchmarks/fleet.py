@@ -100,13 +100,16 @@ def _run(generate, batches, args, warm=True):
 @contextlib.contextmanager
 def _busy(sides, batches, args):
   """Keep `sides` ([(side, handle)]) generating batches of their own until the block ends."""
-  stop = threading.Event()
+  stop, errors = threading.Event(), []
 
   def loop(side, handle):
     k = 0
-    while not stop.is_set():
-      k += 1
-      side.generate(batches[1 + k % (len(batches) - 1)], args.group, 0, 1000 + k, handle)
+    try:
+      while not stop.is_set():
+        k += 1
+        side.generate(batches[1 + k % (len(batches) - 1)], args.group, 0, 1000 + k, handle)
+    except BaseException as e:  # noqa: BLE001 -- re-raised below: a neighbour that stopped was not busy
+      errors.append(e)
 
   threads = [threading.Thread(target=loop, args=sh) for sh in sides]
   for t in threads:
@@ -117,6 +120,8 @@ def _busy(sides, batches, args):
     stop.set()
     for t in threads:
       t.join()
+  if errors:
+    raise RuntimeError("a busy neighbour failed, so the 'others busy' figure is void") from errors[0]
 
 
 def _side(mesh_file, args, params, tmp):
