@@ -10,7 +10,7 @@ member is. A replica may hold several chunks at once (they share its engine's de
 
 With `capacity` (the groups each replica's engine runs at once, its slots) a chunk runs as a
 wave: its groups decode together and end together, so two groups cost a replica about what one
-does. There, once every replica's chunk seconds are measured, shares give way to earliest finish
+does. There, once every replica has finished two chunks, shares give way to earliest finish
 (`_earliest_finish`): each unstarted group goes to the replica that would finish it first,
 counting its free capacity now and the capacity its running chunks free when they are expected
 to end. A slow replica then leaves the last groups of a batch to a fast one's next wave when that
@@ -99,7 +99,6 @@ class Router:
     self.stats = [{"prompts": 0, "tokens": 0, "chunks": 0, "busy_s": 0.0, "idle_s": 0.0} for _ in range(replicas)]
     self._batches = collections.OrderedDict()  # key -> _Batch, in the order they were added
     self._busy = [[] for _ in range(replicas)]  # per replica: [start, end or None] while it holds any chunk
-    self._held = [0] * replicas  # chunks each replica holds
     self._lost = set()  # replicas that gave back a chunk and have not asked for work since
     self._open = [{} for _ in range(replicas)]  # per replica: chunk id -> (started, groups) of the chunks it holds
     self.chunk_s = [None] * replicas  # EMA of a chunk's seconds from start to finish, per replica
@@ -155,7 +154,7 @@ class Router:
     own = round(b.allot[replica] - b.taken[replica])
     if own >= 1:
       size = min(piece, own)
-    elif self._held[replica] == 0:
+    elif not self._open[replica]:
       size = piece
     else:
       others = sum(
@@ -212,7 +211,7 @@ class Router:
     deadline = None if timeout is None else self.clock() + timeout
     with self._cond:
       self._lost.discard(replica)
-      waiting = self._held[replica] == 0  # a replica with work in hand is topping up, not idle
+      waiting = not self._open[replica]  # a replica with work in hand is topping up, not idle
       if waiting:
         self._waiting[replica] = self.clock()
       try:
@@ -228,9 +227,8 @@ class Router:
               self._credit_idle(replica, now)
             positions = [b.unstarted.popleft() for _ in range(n)]
             b.taken[replica] += n
-            self._hold(replica, now, +1)
             self._ids += 1
-            self._open[replica][self._ids] = (now, n)
+            self._take(replica, self._ids, now, n)
             return Chunk(b.key, positions, [b.groups[p] for p in positions], replica, b.context, now, self._ids)
           left = None if deadline is None else deadline - self.clock()
           if left is not None and left <= 0:
@@ -250,15 +248,16 @@ class Router:
       self.stats[replica]["idle_s"] += max(0.0, now - max(since, self._active_since))
     self._waiting[replica] = now
 
-  def _hold(self, replica, now, change):
-    """The replica takes (+1) or lets go of (-1) a chunk: a busy span starts at its first and ends
-    with its last."""
-    if change < 0 and self._held[replica] == 0:
-      return
-    self._held[replica] += change
-    if change > 0 and self._held[replica] == 1:
+  def _take(self, replica, chunk_id, now, groups):
+    """The replica takes a chunk: a busy span starts with the first chunk it holds."""
+    self._open[replica][chunk_id] = (now, groups)
+    if len(self._open[replica]) == 1:
       self._busy[replica].append([now, None])
-    elif change < 0 and self._held[replica] == 0:
+
+  def _let_go(self, replica, chunk_id, now):
+    """The replica lets go of a chunk (once, however often it is reported): its busy span ends
+    with the last one it held."""
+    if self._open[replica].pop(chunk_id, None) is not None and not self._open[replica]:
       span = self._busy[replica][-1]
       span[1] = now
       self.stats[replica]["busy_s"] += now - span[0]
@@ -276,8 +275,7 @@ class Router:
     with self._cond:
       now = self.clock()
       r = chunk.replica
-      self._hold(r, now, -1)
-      self._open[r].pop(chunk.id, None)
+      self._let_go(r, chunk.id, now)
       s, seconds, old = self.stats[r], now - chunk.started, self.chunk_s[r]
       # a replica's first chunk carries first-run costs (allocations, the first weights): its second
       # replaces it rather than averaging with it, and until every replica has finished two the
@@ -303,8 +301,7 @@ class Router:
     """A lost replica's unfinished chunk: its groups go back to the front of their batch's queue,
     in order, and count again toward that replica's allotment (its replacement takes them)."""
     with self._cond:
-      self._hold(chunk.replica, self.clock(), -1)
-      self._open[chunk.replica].pop(chunk.id, None)
+      self._let_go(chunk.replica, chunk.id, self.clock())
       self._lost.add(chunk.replica)
       b = self._batches.get(chunk.batch)
       if b is not None and b.error is None:
