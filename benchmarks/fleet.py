@@ -2,7 +2,9 @@
 
 On meshes/cpu-mixed.yaml (group 0: one replica of 2 devices at tensor 2 on core 0; group 1: two
 single-device replicas on core 1), generation only (no trainer), the same weights and batches
-for every configuration, two batches in flight as at eta = 1 (--in-flight):
+for every configuration, two batches in flight as at eta = 1 (--in-flight). The default workload
+is a real fleet's: a batch (16 prompt groups of 8) is larger than one replica's engine (32 slots,
+4 groups), so a batch spread over the replicas runs in fewer waves than on any one of them.
 
   fleet     the Ray rollout side with every replica, batches routed over them by prompt group
   solo g    the same side built from group g alone (its replicas only), timed twice: with the
@@ -13,10 +15,11 @@ for every configuration, two batches in flight as at eta = 1 (--in-flight):
   batches   today's dispatch: each batch whole on one free replica (a single-replica side per
             replica, a batch to whichever is free), so with 2 in flight one replica waits
 
-  python benchmarks/fleet.py [--batches 8 --prompts 8 --group 8 --new 64]  ->  benchmarks/out/fleet.json
-  python benchmarks/fleet.py --per-core --in-flight 1   # -> fleet-per-core-1.json: a replica per core
-  python benchmarks/fleet.py --per-core --in-flight 1 --slots 32 --prompts 16 --batches 6
-      # a batch larger than one replica's engine (4 groups of slots, 16 groups a batch): a real fleet
+  python benchmarks/fleet.py                  ->  benchmarks/out/fleet.json
+  python benchmarks/fleet.py --in-flight 1    ->  fleet-1.json
+  python benchmarks/fleet.py --slots 0 --prompts 8 --batches 8
+      # sessions 5-16's default: engines sized by share (24 slots), a batch of 8 groups
+  python benchmarks/fleet.py --per-core       # -> fleet-per-core.json: a replica per core
 
 The routing figures (prompts, busy and idle seconds per replica, the fastest group's idle share)
 cover the timed batches only, not the warm-up one.
@@ -124,6 +127,12 @@ def _busy(sides, batches, args):
     raise RuntimeError("a busy neighbour failed, so the 'others busy' figure is void") from errors[0]
 
 
+def _busy_seconds(placed, replicas) -> list:
+  """Each replica's seconds on the timed whole batches (placed: [(batch, replica, start, end)];
+  batch 0 is the warm-up)."""
+  return [sum(end - start for k, i, start, end in placed if i == r and k > 0) for r in range(replicas)]
+
+
 def _side(mesh_file, args, params, tmp):
   cfg = _config(mesh_file, args)
   rt = build_runtime(cfg)
@@ -134,13 +143,13 @@ def _side(mesh_file, args, params, tmp):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--batches", type=int, default=8)
-  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--batches", type=int, default=6)
+  ap.add_argument("--prompts", type=int, default=16)
   ap.add_argument("--group", type=int, default=8)
   ap.add_argument("--new", type=int, default=64)
   ap.add_argument("--in-flight", type=int, default=2, help="batches generated at once (eta + 1)")
   ap.add_argument("--page", type=int, default=0, help="rollout.kv_page_size (0: the contiguous ring)")
-  ap.add_argument("--slots", type=int, default=0, help="rollout.slots of every replica (0: its share's rows)")
+  ap.add_argument("--slots", type=int, default=32, help="rollout.slots of every replica (0: its share's rows)")
   ap.add_argument("--per-core", action="store_true", help="one replica per core: group 1 cut to one replica")
   args = ap.parse_args()
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -192,17 +201,20 @@ def main():
   free = list(range(len(singles)))
   lock = threading.Semaphore(len(singles))
   guard = threading.Lock()
+  placed = []  # (batch, replica, start, end): which replicas whole-batch dispatch kept busy together
 
   def whole(recs, k):
     with lock:
       with guard:
         i = free.pop(0)
+      t0 = time.perf_counter()
       try:
         side, h = singles[i]
         return side.generate(recs, args.group, 0, k, h)[0]
       finally:
         with guard:
           free.append(i)
+          placed.append((k, i, t0, time.perf_counter()))
 
   for side, _ in singles:  # each compiles on its own warm-up batch
     side.generate(batches[0], args.group, 0, 0, singles[0][1])
@@ -228,6 +240,7 @@ def main():
       "fleet_replicas": replicas,
       "fastest_replica_idle_share": fastest_idle,
       "fastest_group_idle_share_per_batch": [row.get("rollout_fastest_idle_share") for row in rows],
+      "batch_dispatch_replica_seconds": _busy_seconds(placed, len(singles)),
   }
   os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
   name = "fleet" + ("-per-core" if args.per_core else "") + ("" if args.in_flight == 2 else f"-{args.in_flight}")
@@ -241,6 +254,8 @@ def main():
   for r in replicas:
     print(f"  replica {r['replica']} (group {r['group']}, {r['slots']} slots): {r['prompts']} prompts, busy "
           f"{r['busy_s']:.1f} s, idle {r['idle_s']:.1f} s, slot occupancy {r['occupancy']:.2f}")
+  print("whole-batch dispatch, each replica's busy seconds: " +
+        ", ".join(f"{s:.1f}" for s in out["batch_dispatch_replica_seconds"]))
   per_batch = [x for x in out["fastest_group_idle_share_per_batch"] if x is not None]
   print(f"fastest replica ({fastest['replica']}) idle {fastest_idle:.0%} of the timed batches' time (goal <= 10%); "
         f"the fastest group's idle share of a batch (metrics rows): mean {sum(per_batch) / len(per_batch):.0%}, "
