@@ -2,7 +2,8 @@
 
   sync     seconds and GB/s of each weight-sync method (train layout -> rollout layout) against
            this machine's memcpy rate (device_put, direct) and disk write+fsync+read rate (orbax),
-           measured in rounds interleaved with the methods, best round of each kept
+           measured in rounds interleaved with the methods, best round of each kept; the same
+           model's params per layer (75 leaves) and stacked (model.scan_layers: 12 leaves)
   async    seconds per RL step, eta=2 against eta=0 (synchronous), Ray backend, the two pools
            pinned to disjoint CPU cores; the reward curves of both runs side by side. The driver
            (orchestrator, reward scoring) is pinned to the rollout pool's core: the trainer is
@@ -27,6 +28,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, mlp_dim=2048)
+# The same bytes in two trees: a leaf per layer's tensor, or each tensor stacked over the layers
+# (model.scan_layers). A sync's cost per leaf (reading its shards, wrapping its regions as arrays,
+# a tensorstore array per leaf) is paid 75 or 12 times.
+PARAM_LAYOUTS = (("per layer", {}), ("stacked", {"scan_layers": True}))
 
 
 def memcpy_seconds(nbytes):
@@ -84,44 +89,46 @@ def bench_sync(rounds=5):
   from jaxrl_hex.sync import make_sync
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
   pools = meshes.build_pools(meshes.load_mesh_file(os.path.join(ROOT, "meshes", "cpu-8.yaml")))
-  policy = Policy.build(model_config(**MODEL))
-  train_sh = pools["train"].shardings_for(policy.logical_axes(), policy.shapes())
-  rollout_sh = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
-  params = policy.init(0, train_sh)
-  nbytes = param_bytes(params)
-  held = sum(s.data.nbytes for x in jax.tree.leaves(jax.device_put(params, rollout_sh)) for s in x.addressable_shards)
   best = {}
 
   def keep(key, value):
     best[key] = min(best.get(key, (float("inf"),)), value)
 
   with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
-    sides = {}
-    for method, _, _ in METHODS:
-      publisher = make_sync(method, policy.shapes(), rollout_sh if method == "device_put" else None,
-                            os.path.join(tmp, "sync"))
-      receiver = publisher if method == "device_put" else make_sync(method, policy.shapes(), rollout_sh,
-                                                                    os.path.join(tmp, "sync"))
-      sides[method] = publisher, receiver
+    sides = {}  # (param layout, method) -> (params, publisher, receiver)
+    for layout, extra in PARAM_LAYOUTS:
+      policy = Policy.build(model_config(**MODEL, **extra))
+      rollout_sh = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
+      params = policy.init(0, pools["train"].shardings_for(policy.logical_axes(), policy.shapes()))
+      for method, _, _ in METHODS:
+        directory = os.path.join(tmp, layout.replace(" ", "_"), method)
+        publisher = make_sync(method, policy.shapes(), rollout_sh if method == "device_put" else None, directory)
+        receiver = publisher if method == "device_put" else make_sync(method, policy.shapes(), rollout_sh, directory)
+        sides[layout, method] = params, publisher, receiver
+    nbytes = param_bytes(params)  # the same in both layouts
+    held = sum(s.data.nbytes for x in jax.tree.leaves(jax.device_put(params, rollout_sh)) for s in x.addressable_shards)
     for r in range(rounds + 1):  # round 0 compiles and warms caches
       if r:
         keep("memcpy", memcpy_seconds(nbytes))
         keep("disk", disk_seconds(nbytes, tmp))
-      for method, (publisher, receiver) in sides.items():
+      for key, (params, publisher, receiver) in sides.items():
         start, cpu = time.perf_counter(), time.process_time()
         handle = publisher.publish(r, params)
         published = time.perf_counter()
         jax.block_until_ready(receiver.receive(handle)[1])
         end = time.perf_counter()
         if r:
-          keep(method, (end - start, time.process_time() - cpu, published - start, end - published))
+          keep(key, (end - start, time.process_time() - cpu, published - start, end - published))
   ray.shutdown()
   rows = []
-  for method, baseline, copies in METHODS:
-    seconds, cpu_s, publish_s, receive_s = best[method]
+  for (layout, method), (params, _, _) in sides.items():
+    baseline, copies = next((b, c) for m, b, c in METHODS if m == method)
+    seconds, cpu_s, publish_s, receive_s = best[layout, method]
     bound_s, bound_cpu_s = best[baseline]
     rows.append({
         "method": method,
+        "params": layout,
+        "leaves": len(jax.tree.leaves(params)),
         "bytes": nbytes,
         "rollout_bytes": held,  # what the rollout devices hold: data=2 replicates the model
         "seconds": seconds,
@@ -171,14 +178,15 @@ def bench_wait(steps):
   """The trainer's wait on sync, as a share of its step time: the default run, and the same with
   the 128 MB model of the sync part (the arith task's vocabulary)."""
   big = [f"--config.model.{k}={v}" for k, v in MODEL.items() if k != "vocab_size"]
+  runs = (("default", []), ("128MB", big), ("128MB stacked", big + ["--config.model.scan_layers=True"]))
   with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
-    return {name: _run_wait(os.path.join(tmp, name), steps, args) for name, args in (("default", []), ("128MB", big))}
+    return {name: _run_wait(os.path.join(tmp, name.replace(" ", "_")), steps, args) for name, args in runs}
 
 
 def readme_text(sync, wait):
   lines = [
-      "| method | seconds | trainer waits | GB/s | baseline (same run) | ours / baseline | x one copy | "
-      "copies made | x those copies | CPU s, x one copy's |", "|---|---|---|---|---|---|---|---|---|---|"
+      "| method | params | seconds | trainer waits | GB/s | baseline (same run) | ours / baseline | x one copy | "
+      "copies made | x those copies | CPU s, x one copy's |", "|---|---|---|---|---|---|---|---|---|---|---|"
   ]
   names = {
       "device_put": "device_put (one runtime)",
@@ -187,7 +195,8 @@ def readme_text(sync, wait):
   }
   for r in sync:
     base = "memcpy" if r["baseline"] == "memcpy" else "disk write+fsync+read"
-    lines.append(f"| {names[r['method']]} | {r['seconds']:.3f} | {r['publish_s']:.3f} | {r['gb_per_s']:.2f} | "
+    lines.append(f"| {names[r['method']]} | {r['params']} ({r['leaves']} leaves) | {r['seconds']:.3f} | "
+                 f"{r['publish_s']:.3f} | {r['gb_per_s']:.2f} | "
                  f"{base} {r['baseline_gb_per_s']:.2f} GB/s | {r['ratio_to_baseline']:.2f}x | {r['times_bound']:.2f} | "
                  f"{r['copies']} | {r['times_method_bound']:.2f} | {r['cpu_s']:.3f}" +
                  (f", {r['cpu_times_bound']:.2f}x |" if r["cpu_times_bound"] is not None else " |"))
@@ -259,7 +268,8 @@ def main():
   if args.part in ("sync", "all"):
     out["sync"] = bench_sync()
     for r in out["sync"]:
-      print(f"sync {r['method']:>10}: {r['seconds']*1e3:7.1f} ms (trainer waits {r['publish_s']*1e3:.1f} ms) "
+      print(f"sync {r['method']:>10}, {r['params']:>9}: {r['seconds']*1e3:7.1f} ms "
+            f"(trainer waits {r['publish_s']*1e3:.1f} ms) "
             f"{r['gb_per_s']:6.2f} GB/s = {r['ratio_to_baseline']:.2f}x {r['baseline']} ({r['baseline_gb_per_s']:.2f} "
             f"GB/s), {r['times_bound']:.2f}x one copy, {r['times_method_bound']:.2f}x its {r['copies']}; CPU "
             f"{r['cpu_s'] * 1e3:.1f} ms" +

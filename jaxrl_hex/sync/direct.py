@@ -7,10 +7,16 @@ Handle. receive(): a rollout process assembles each distinct region its devices 
 zero-copy views of the chunks holding source shards that overlap it (sync/regions.py), fetching
 only those chunks, so no process gathers much more of the model than its devices hold. Two
 copies at most: into the object store, and out of it into the receiving layout; a region that
-already lies whole in a chunk (a shard of it, or shards stacked along the first axis, which
-publish puts back to back) is aliased where it lies, not copied.
+already lies whole in a chunk is aliased where it lies, not copied.
+
+A receiving layout usually lacks the train layout's fsdp axis, so its region of a leaf joins the
+shards that differ along the leaf's first split axis. publish lays them out as that region lies
+in memory: shards split along the first axis back to back; a stacked-layers leaf [L, ...] split
+along a later axis as per-layer slices, each layer's slices of the shards in turn (_in_order).
 """
 import functools
+import itertools
+import math
 import time
 
 import jax
@@ -20,10 +26,38 @@ from jaxrl_hex.sync.handle import Handle, target_structs
 from jaxrl_hex.sync.regions import RegionPlan, bounds
 
 CHUNK_BYTES = 64 << 20  # a receiver fetches whole chunks: bounds what it holds beyond its own shards
+SLICE_BYTES = 64 << 10  # below this a shard is not cut into slices (each is an object-store entry)
 
 
 def _key(path) -> str:
   return jax.tree_util.keystr(path)
+
+
+def _in_order(owned) -> list:
+  """A leaf's shards [(bounds, array)] -> groups of (bounds, array) to put, in this order: the
+  shards grouped by their bounds off the first axis j they differ along, each group's shards in
+  order along j; where j > 0, each shard cut into slices at every index of the axes before j (none
+  of them split), the slices at one index of the group's shards in turn. A region joining a group
+  along j then lies in it end to end, as its row-major layout has it (regions._runs)."""
+  if not owned:  # another process holds the leaf's replica 0
+    return []
+  axes = range(len(owned[0][0]))
+  j = next((a for a in axes if len({b[a] for b, _ in owned}) > 1), 0)
+  lead = owned[0][1].shape[:j]
+  if math.prod(lead) > 1 and owned[0][1].nbytes // math.prod(lead) < SLICE_BYTES:
+    lead = ()  # slices too small: the object store's per-entry cost would outweigh a copy
+  off_j = lambda shard: shard[0][:j] + shard[0][j + 1:]
+  groups = []
+  for _, group in itertools.groupby(sorted(owned, key=lambda s: (off_j(s), s[0][j])), key=off_j):
+    group = list(group)
+    groups.append([_slice(where, data, index) for index in np.ndindex(*lead) for where, data in group])
+  return groups
+
+
+def _slice(where, data, index):
+  """Shard (bounds, array) at `index` of its leading axes, kept as axes of extent 1 (a view)."""
+  at = tuple((a + i, a + i + 1) for (a, _), i in zip(where, index))
+  return at + where[len(index):], data[tuple(slice(i, i + 1) for i in index)]
 
 
 def merge_manifests(version, pieces) -> Handle:
@@ -62,16 +96,18 @@ class DirectSync:
 
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       entry = piece.setdefault(_key(path), [])
-      owned = [(bounds(s.index, leaf.shape), s.data) for s in leaf.addressable_shards if s.replica_id == 0]
-      # shards that differ only in their first axis back to back: the object store lays a chunk's
-      # arrays out in order, so a receiving region stacking them can be used in place (regions.py)
-      for where, data in sorted(owned, key=lambda shard: (shard[0][1:], shard[0][:1])):
-        data = np.asarray(data)
-        if chunk and chunk_bytes + data.nbytes > CHUNK_BYTES:
+      owned = [(bounds(s.index, leaf.shape), np.asarray(s.data)) for s in leaf.addressable_shards if s.replica_id == 0]
+      # the object store lays a chunk's arrays out in order, so a receiving region they fill end to
+      # end is used in place (regions.py): a group starts a new chunk rather than straddle two
+      for group in _in_order(owned):
+        if chunk and chunk_bytes + sum(data.nbytes for _, data in group) > CHUNK_BYTES:
           flush()
-        chunk.append(data)
-        chunk_bytes += data.nbytes
-        waiting.append((entry, where))
+        for where, data in group:
+          if chunk and chunk_bytes + data.nbytes > CHUNK_BYTES:
+            flush()
+          chunk.append(data)
+          chunk_bytes += data.nbytes
+          waiting.append((entry, where))
     flush()
     self.last_seconds = time.perf_counter() - start
     return piece

@@ -11,7 +11,9 @@ reference to a host buffer it aliases), so a steady run copies into warm memory,
 Which parts of which source land where depends only on the two layouts, so it is worked out once
 per source layout (`_planned`); a transfer is then one np.copyto per overlap. Sources that are
 immutable (the object store's) may instead be aliased where a region already lies in them whole:
-one source, or sources stacked along the first axis lying back to back in memory.
+sources that are consecutive runs of the region in row-major order (one source; shards stacked
+along the first axis; a stacked-layers leaf's per-layer slices, sync/direct.py) lying back to
+back in memory.
 """
 import collections
 import gc
@@ -63,6 +65,31 @@ def _in_place(parts, shape, dtype):
   return parts[0] if len(parts) == 1 else np.asarray(_Span(parts, shape, dtype))
 
 
+def _runs(sources, want):
+  """The order in which `sources` (bounds) follow each other in the region `want` laid out row-major,
+  where each is one contiguous run of it and together they fill it end to end; else None.
+
+  A source is a contiguous run where its extent is 1 on every axis before some axis m and the
+  region's own on every axis after m (whole shards stacked along the first axis: m = 0)."""
+  shape = [b - a for a, b in want]
+  strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+  runs = []
+  for k, src in enumerate(sources):
+    extent = [d - c for c, d in src]
+    if any(c < a or d > b for (a, b), (c, d) in zip(want, src)):
+      return None
+    m = next((i for i, e in enumerate(extent) if e != 1), len(extent))
+    if extent[m + 1:] != shape[m + 1:]:
+      return None
+    runs.append((sum((c - a) * st for (a, _), (c, _), st in zip(want, src, strides)), math.prod(extent), k))
+  end = 0
+  for start, size, _ in sorted(runs):
+    if start != end:
+      return None
+    end += size
+  return [k for *_, k in sorted(runs)] if end == math.prod(shape) else None
+
+
 class _Copy(typing.NamedTuple):
   source: int  # which of the leaf's sources
   into: tuple  # slices of the region
@@ -73,7 +100,7 @@ class _Region(typing.NamedTuple):
   shape: tuple
   offset: int  # bytes into the arena
   copies: list  # [_Copy] covering the region
-  stack: list | None  # sources that are the region stacked along the first axis, in order; else None
+  stack: list | None  # sources that tile the region as consecutive row-major runs, in order; else None
 
 
 class RegionPlan:
@@ -123,12 +150,8 @@ class RegionPlan:
       covered += math.prod(h - l for l, h in zip(lo, hi))
     shape = tuple(b - a for a, b in want)
     assert covered == math.prod(shape), f"weight sync: the shards of {name} do not cover {want}"
-    # whole sources, each spanning the region's other axes: the region is them stacked along axis 0
-    overlapping = [sources[c.source] for c in copies]
-    whole = all(
-        src[1:] == want[1:] and all(a <= c and d <= b for (a, b), (c, d) in zip(want, src)) for src in overlapping)
-    stack = [c.source for c in sorted(copies, key=lambda c: sources[c.source])] if whole else None
-    return _Region(shape, offset, copies, stack)
+    order = _runs([sources[c.source] for c in copies], want)
+    return _Region(shape, offset, copies, None if order is None else [copies[k].source for k in order])
 
   def _arena(self) -> np.ndarray:
     """A free arena: one whose buffer no array aliases (its one reference: the arena slice itself)."""

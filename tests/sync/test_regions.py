@@ -12,9 +12,9 @@ from jaxrl_hex.sync.regions import ALIGN, RegionPlan
 SHAPE = (8, 32)
 
 
-def _plan(pools, spec):
+def _plan(pools, spec, shape=SHAPE):
   sharding = NamedSharding(pools["rollout"].mesh, spec)
-  return RegionPlan({"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding)})
+  return RegionPlan({"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)})
 
 
 def _back_to_back(blocks):
@@ -51,6 +51,25 @@ def test_regions_stacked_back_to_back_are_aliased_and_others_copied(pools):
   (top, bottom), = plan.start(lambda i, name: sources, alias=True).run()
   assert top.ctypes.data not in {d.ctypes.data for d in data}
   np.testing.assert_array_equal(np.asarray(plan.arrays([[top, bottom]])["w"]), full)
+
+
+def test_per_layer_slices_laid_out_as_the_region_are_aliased(pools):
+  # a stacked-layers leaf [L=2, 8, 32] split over fsdp on axis 1 and tensor on axis 2; the rollout
+  # region (tensor only) is [2, 8, 16]: in row-major order layer 0's two row halves, then layer 1's
+  full = np.arange(512, dtype=np.float32).reshape(2, 8, 32)
+  plan = _plan(pools, P(None, None, "tensor"), full.shape)
+  spans = [((l, l + 1), (r, r + 4), (c, c + 16)) for c in (0, 16) for l in (0, 1) for r in (0, 4)]
+  data = _back_to_back([full[l0:l1, r0:r1, c0:c1] for (l0, l1), (r0, r1), (c0, c1) in spans])
+  (left, right), = plan.start(lambda i, name: list(zip(spans, data)), alias=True).run()
+  assert left.ctypes.data == data[0].ctypes.data and right.ctypes.data == data[4].ctypes.data
+  np.testing.assert_array_equal(np.asarray(plan.arrays([[left, right]])["w"]), full)
+  # the same slices with the layers outermost per shard (whole shards back to back): each region's
+  # memory interleaves the shards' layers, so it is copied, and still right
+  spans = [((l, l + 1), (r, r + 4), (c, c + 16)) for c in (0, 16) for r in (0, 4) for l in (0, 1)]
+  data = _back_to_back([full[l0:l1, r0:r1, c0:c1] for (l0, l1), (r0, r1), (c0, c1) in spans])
+  (left, right), = plan.start(lambda i, name: list(zip(spans, data)), alias=True).run()
+  assert left.ctypes.data not in {d.ctypes.data for d in data}
+  np.testing.assert_array_equal(np.asarray(plan.arrays([[left, right]])["w"]), full)
 
 
 def test_a_fill_run_by_several_threads_makes_every_copy_once(pools, monkeypatch):

@@ -108,3 +108,26 @@ def test_host_assembled_versions_share_replicas_and_never_overwrite_a_held_one(p
   for shard in wq.addressable_shards:
     pointers.setdefault(regions.bounds(shard.index, wq.shape), set()).add(shard.data.unsafe_buffer_pointer())
   assert len(pointers) == 2 and all(len(p) == 1 for p in pointers.values())
+
+
+def test_direct_sync_of_stacked_layers_uses_the_object_store_in_place(pools, ray_session, monkeypatch):
+  """model.scan_layers: wq [L, d, h, hd] is split over fsdp on d, so a rollout region (h over tensor)
+  joins two shards along axis 1; publish puts them layer by layer, so the region still lies whole
+  in the object store. Small slices are not cut (SLICE_BYTES)."""
+  policy = Policy.build(model_config(**dict(CFG, scan_layers=True)))
+  train_sh = pools["train"].shardings_for(policy.logical_axes(), policy.shapes())
+  rollout_sh = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
+  params = policy.init(5, train_sh)
+  key = "['layers']['attn']['wq']"
+  monkeypatch.setattr(direct, "SLICE_BYTES", 1)
+  handle = make_sync("direct", policy.shapes()).publish(1, params)
+  assert len(handle.payload[key]) == 4 * CFG.n_layers  # 4 shards, each cut at each layer
+  got = make_sync("direct", policy.shapes(), rollout_sh).receive(handle)[1]
+  assert_same_values(got, params)
+  import ray
+  stored = {ray.get(ref)[i].ctypes.data for _, (ref, i) in handle.payload[key]}
+  assert {s.data.unsafe_buffer_pointer() for s in got["layers"]["attn"]["wq"].addressable_shards} <= stored
+  monkeypatch.setattr(direct, "SLICE_BYTES", 1 << 20)  # this model's slices are far below that
+  handle = make_sync("direct", policy.shapes()).publish(2, params)
+  assert len(handle.payload[key]) == 4
+  assert_same_values(make_sync("direct", policy.shapes(), rollout_sh).receive(handle)[1], params)
