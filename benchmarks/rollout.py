@@ -90,7 +90,7 @@ class IntTokenizer:
     return " ".join(str(int(i)) for i in ids)
 
 
-def _our_policy(layout="1"):
+def _our_policy(layout="1", scan_layers=False):
   import jax
 
   from jaxrl_hex import meshes
@@ -99,7 +99,7 @@ def _our_policy(layout="1"):
   axes = LAYOUTS[layout]
   n = int(np.prod(list(axes.values()) or [1]))
   pool = meshes.Pool(meshes.PoolSpec("rollout", tuple(range(n)), axes, dict(meshes.DEFAULT_RULES)), jax.devices()[:n])
-  policy = Policy.build(model_config(**MODEL))
+  policy = Policy.build(model_config(**MODEL, scan_layers=scan_layers))
   return pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
 
 
@@ -108,10 +108,15 @@ def matmul_limit(policy, pool, params, batch: int, steps: int):
   until done). Activations keep the model's logical axes, so on a mesh the chain is partitioned
   as the engine's step is. Only what joins the matmuls is added: k and v added to their query
   heads (for the o projection), gate x up, one RMS rescale per step (keeps values finite) and a
-  running sum of the logits (keeps the head alive)."""
+  running sum of the logits (keeps the head alive). Stacked params (model.scan_layers) are
+  unstacked first: the limit is the same chain of matmuls either way."""
   import jax
   import jax.numpy as jnp
+
+  from jaxrl_hex.models.decoder import unstack_layers
   cfg = policy.cfg
+  if cfg.scan_layers:
+    params = unstack_layers(params, cfg.n_layers)
   dt = jnp.dtype(cfg.dtype)
   act = lambda x, *axes: jax.lax.with_sharding_constraint(x, pool.sharding(axes, x.shape))
   kv, group, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
@@ -141,11 +146,11 @@ def matmul_limit(policy, pool, params, batch: int, steps: int):
   return lambda: compiled(params, x).block_until_ready()
 
 
-def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1"):
+def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers=False):
   import jax
 
   from jaxrl_hex.rollout.engine import Engine, Request
-  pool, policy, params = _our_policy(layout)
+  pool, policy, params = _our_policy(layout, scan_layers)
   engine = Engine(policy, pool, IntTokenizer(), w["max_new"], temperature=1.0, slots=w["slots"],
                   max_prompt_len=w["prompts"].shape[1], eos_ids=(EOS,), steps_per_sync=steps_per_sync,
                   kv_page_size=kv_page_size)
@@ -191,7 +196,8 @@ def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1"):
   return dict(seconds=best, compile_s=max(cold - best, 0.0), new_tokens=tokens, compile_count=engine.compile_count,
               kv_cache_bytes=engine.memory["kv_cache_bytes"], decode_steps=steps, limit_seconds=best_limit,
               limit_tokens_per_s=tokens / best_limit, ours_over_limit=best_limit / best, layout=layout,
-              prefill_share=prefill_s[0] / split, decode_over_limit=best_limit / (split - prefill_s[0]))
+              scan_layers=scan_layers, prefill_share=prefill_s[0] / split,
+              decode_over_limit=best_limit / (split - prefill_s[0]))
 
 
 def run_naive(w, repeats):
@@ -267,6 +273,8 @@ def main(argv=None):
   ap.add_argument("--kv-page-size", type=int, default=0, help="ours: page the KV cache (rollout.kv_page_size)")
   ap.add_argument("--layout", default="1", choices=tuple(LAYOUTS),
                   help="ours: the rollout pool, one device or data 2 x tensor 2 on 4 simulated CPU devices")
+  ap.add_argument("--scan-layers", action="store_true",
+                  help="ours: the model's layers stacked and run by one scan (model.scan_layers)")
   ap.add_argument("--json", action="store_true", help="print one JSON object (the default prints a line)")
   args = ap.parse_args(argv)
   if args.engine == "tunix" and os.path.realpath(sys.prefix) != os.path.realpath(
@@ -274,15 +282,15 @@ def main(argv=None):
     if not os.path.exists(TUNIX_PYTHON):
       raise SystemExit(f"{TUNIX_PYTHON} is missing; run: bash benchmarks/setup_tunix.sh")
     return subprocess.call([TUNIX_PYTHON, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
-  if args.layout != "1" and args.engine != "ours":
-    raise SystemExit(f"--layout {args.layout} runs --engine ours only")
+  if (args.layout != "1" or args.scan_layers) and args.engine != "ours":
+    raise SystemExit("--layout and --scan-layers run --engine ours only")
   import jax
   if args.layout != "1":
     from jaxrl_hex.meshes import prepare_cpu_devices
     prepare_cpu_devices(int(np.prod(list(LAYOUTS[args.layout].values()))))
   w = workload(args.workload)
   if args.engine == "ours":
-    out = run_ours(w, args.repeats, args.steps_per_sync, args.kv_page_size, args.layout)
+    out = run_ours(w, args.repeats, args.steps_per_sync, args.kv_page_size, args.layout, args.scan_layers)
   elif args.engine == "naive":
     out = run_naive(w, args.repeats)
   else:

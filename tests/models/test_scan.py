@@ -1,5 +1,8 @@
 """Scanned layers (model.scan_layers) and rematerialisation (model.remat): the same numbers as the
 unrolled model, a program that does not grow with depth, and remat's memory saving."""
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +46,24 @@ def loss(policy, params, tokens, positions, valid):
   logp = jax.nn.log_softmax(logits[:, :-1])
   picked = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
   return -(picked * valid[:, 1:]).sum() / valid[:, 1:].sum()
+
+
+def test_a_scanned_decode_step_writes_each_layers_new_column_in_place():
+  """Each layer writes its new key and value columns into the stacked buffers the scan carries:
+  no update in the compiled step is larger than one layer's column (taking a layer's slice out
+  and putting it back whole copied its cache twice more per layer at every step)."""
+  _, scanned, _, stacked = pair(LLAMA_LIKE)
+  cache = init_cache(scanned.cfg, 3, 10)
+  tokens, positions, valid = batch()
+  step = jax.jit(lambda p, c: scanned.apply(p, tokens[:, :1], positions[:, :1], valid[:, None], c, 4))
+  text = step.lower(stacked, cache).compile().as_text()
+  sizes = {
+      name: math.prod(map(int, filter(None, dims.split(","))))
+      for name, dims in re.findall(r"%(\S+) = \w+\[([\d,]*)\]", text)
+  }
+  updates = [sizes[name] for name in re.findall(r"dynamic-update-slice\(%\S+, %([^,\s)]+)", text)]
+  column = 3 * LLAMA_LIKE["n_kv_heads"] * LLAMA_LIKE["head_dim"]  # B x KV x head_dim
+  assert len(updates) >= 2 and max(updates) <= column, updates
 
 
 def test_scanned_params_are_stacked_on_a_layers_axis():
