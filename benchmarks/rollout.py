@@ -146,7 +146,7 @@ def matmul_limit(policy, pool, params, batch: int, steps: int):
   return lambda: compiled(params, x).block_until_ready()
 
 
-def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers=False):
+def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers=False, paged_gather=False):
   import jax
 
   from jaxrl_hex.rollout.engine import Engine, Request
@@ -154,6 +154,8 @@ def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers
   engine = Engine(policy, pool, IntTokenizer(), w["max_new"], temperature=1.0, slots=w["slots"],
                   max_prompt_len=w["prompts"].shape[1], eos_ids=(EOS,), steps_per_sync=steps_per_sync,
                   kv_page_size=kv_page_size)
+  if paged_gather:  # decode on the blocks, as a pool without room for a call's copy does
+    engine.paged_copy = False
   engine.load_weights(0, params)
   g = w["group"]
 
@@ -273,6 +275,8 @@ def main(argv=None):
   ap.add_argument("--kv-page-size", type=int, default=0, help="ours: page the KV cache (rollout.kv_page_size)")
   ap.add_argument("--layout", default="1", choices=tuple(LAYOUTS),
                   help="ours: the rollout pool, one device or data 2 x tensor 2 on 4 simulated CPU devices")
+  ap.add_argument("--paged-gather", action="store_true",
+                  help="ours, with --kv-page-size: decode on the blocks (paged_decode: gather), not on a call's copy")
   ap.add_argument("--scan-layers", action="store_true",
                   help="ours: the model's layers stacked and run by one scan (model.scan_layers)")
   ap.add_argument("--json", action="store_true", help="print one JSON object (the default prints a line)")
@@ -282,15 +286,18 @@ def main(argv=None):
     if not os.path.exists(TUNIX_PYTHON):
       raise SystemExit(f"{TUNIX_PYTHON} is missing; run: bash benchmarks/setup_tunix.sh")
     return subprocess.call([TUNIX_PYTHON, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
-  if (args.layout != "1" or args.scan_layers) and args.engine != "ours":
-    raise SystemExit("--layout and --scan-layers run --engine ours only")
+  if (args.layout != "1" or args.scan_layers or args.paged_gather) and args.engine != "ours":
+    raise SystemExit("--layout, --scan-layers and --paged-gather run --engine ours only")
+  if args.paged_gather and not args.kv_page_size:
+    raise SystemExit("--paged-gather needs --kv-page-size")
   import jax
   if args.layout != "1":
     from jaxrl_hex.meshes import prepare_cpu_devices
     prepare_cpu_devices(int(np.prod(list(LAYOUTS[args.layout].values()))))
   w = workload(args.workload)
   if args.engine == "ours":
-    out = run_ours(w, args.repeats, args.steps_per_sync, args.kv_page_size, args.layout, args.scan_layers)
+    out = run_ours(w, args.repeats, args.steps_per_sync, args.kv_page_size, args.layout, args.scan_layers,
+                   args.paged_gather)
   elif args.engine == "naive":
     out = run_naive(w, args.repeats)
   else:

@@ -305,8 +305,7 @@ class Decoder(nnx.Module):
     """The stacked layers over x by one scan; cache: [(keys [L, ...], values [L, ...])] or None.
     The cache rides in the carry, so each layer's write lands in place in the stacked buffers
     (as scan inputs and outputs, the old and new caches would be two buffers). A layer writes its
-    new columns straight into them (LayerColumn); a paged layer takes its pool's slice out and
-    puts it back (PagedIndex writes and gathers within one layer's pool)."""
+    new columns straight into them and reads its own slice (LayerColumn, PagedIndex.layer)."""
     cfg = self.cfg
     kinds = np.array([is_sliding(cfg, i) for i in range(cfg.n_layers)])
     mixed = kinds.any() and not kinds.all()  # Gemma 2/3 interleave sliding and full layers
@@ -322,12 +321,10 @@ class Decoder(nnx.Module):
         inputs = layer_inputs(bool(kinds[0]))
       if stacked is None:
         x, _ = run(layer_state, x, *inputs, None, cache_index, layer_key(i))
-      elif isinstance(cache_index, PagedIndex):
-        layer_cache = tuple(jax.lax.dynamic_index_in_dim(c, i, 0, False) for c in stacked)
-        x, layer_cache = run(layer_state, x, *inputs, layer_cache, cache_index, layer_key(i))
-        stacked = tuple(jax.lax.dynamic_update_index_in_dim(c, u, i, 0) for c, u in zip(stacked, layer_cache))
       else:
-        x, stacked = run(layer_state, x, *inputs, stacked, LayerColumn(i, cache_index), layer_key(i))
+        index = dataclasses.replace(cache_index, layer=i) if isinstance(cache_index, PagedIndex) else LayerColumn(
+            i, cache_index)
+        x, stacked = run(layer_state, x, *inputs, stacked, index, layer_key(i))
       return (x, stacked), None
 
     (x, stacked), _ = jax.lax.scan(body, (x, None if cache is None else tuple(cache[0])),
@@ -446,16 +443,19 @@ class PagedIndex:
   start: jax.Array  # [B] int32: the position of each row's first new token
   write: jax.Array  # [B] bool: rows whose new keys and values are written (a dead slot's are dropped)
   shards: int = dataclasses.field(default=1, metadata={"static": True})
+  layer: jax.Array | None = None  # [] int32: the pools are stacked [L, ...] (model.scan_layers), this layer's
 
   def write_read(self, cache, keys, values):
     """Writes the new keys [B, KV, hd, T] and values [B, KV, T, hd] at positions start + t and
     -> (every row's table blocks gathered as keys [B, KV, hd, M P], values [B, KV, M P, hd], the
-    new (keys, values) pools). Rows read their whole table: the mask hides positions not cached."""
+    new (keys, values) pools). Rows read their whole table: the mask hides positions not cached.
+    Stacked pools are written and read at `layer` only, in place."""
     write = jnp.broadcast_to(self.write[:, None], (self.write.shape[0], keys.shape[-1]))
     pools = tuple(
-        write_columns(pool, x, self.table, self.start, write, axes, self.shards)
+        write_columns(pool, x, self.table, self.start, write, axes, self.shards, self.layer)
         for pool, x, axes in zip(cache, (keys, values), CACHE_AXES))
-    keys, values = (read_blocks(pool, self.table, axes, self.shards) for pool, axes in zip(pools, CACHE_AXES))
+    layer = lambda pool: pool if self.layer is None else jax.lax.dynamic_index_in_dim(pool, self.layer, 0, False)
+    keys, values = (read_blocks(layer(pool), self.table, axes, self.shards) for pool, axes in zip(pools, CACHE_AXES))
     return keys, values, pools
 
 
@@ -483,22 +483,25 @@ def read_blocks(pool, table, axes, shards: int, extra: int = 0):
   return out.reshape(pool.shape[:b_ax] + (rows,) + pool.shape[b_ax + 1:l_ax] + (width,) + pool.shape[l_ax + 1:])
 
 
-def write_columns(pool, x, table, start, write, axes, shards: int):
+def write_columns(pool, x, table, start, write, axes, shards: int, layer=None):
   """One array of a paged pool (read_blocks) with rows' columns x [.., R, .., T, ..] written at
   positions start [R] + t where write [R, T] says, through each row's table [R, M]; positions past
-  the table and blocks not held are dropped. A scatter: XLA:CPU writes it element by element."""
+  the table and blocks not held are dropped. A scatter: XLA:CPU writes it element by element.
+  layer: the pool leads with a layers axis [L, ..] (x and axes do not), x goes to that layer."""
+  lead = () if layer is None else (layer,)  # indexes the pool's leading layers axis
   b_ax, l_ax = axes.index("batch"), axes.index("length")
-  (m, page), t = (table.shape[1], pool.shape[l_ax]), x.shape[l_ax]
+  (m, page), t = (table.shape[1], pool.shape[len(lead) + l_ax]), x.shape[l_ax]
   pos = start[:, None] + jnp.arange(t)  # [R, T]
   blk = jnp.take_along_axis(table, jnp.minimum(pos // page, m - 1), axis=1)
-  blk = jnp.where(write & (pos < m * page), blk, pool.shape[b_ax])  # out of range: dropped
+  blk = jnp.where(write & (pos < m * page), blk, pool.shape[len(lead) + b_ax])  # out of range: dropped
   every = lambda n: (slice(None),) * n
-  put = lambda p, blk, off, u: p.at[every(b_ax) + (blk,) + every(l_ax - b_ax - 1) + (off,)].set(u, mode="drop")
-  # blocks and columns are indexed on axes apart, so the update leads with their [R, T]
+  put = lambda p, blk, off, u: p.at[lead + every(b_ax) + (blk,) + every(l_ax - b_ax - 1) + (off,)].set(u, mode="drop")
+  # blocks and columns (and the layer) are indexed on axes apart, so the update leads with their [R, T]
   update = jnp.moveaxis(x, (b_ax, l_ax), (0, 1)).astype(pool.dtype)
-  out = jax.vmap(put, in_axes=(b_ax, 0, 0, 0),
-                 out_axes=b_ax)(split_shards(pool, b_ax, shards),
-                                *(split_shards(a, 0, shards) for a in (blk, pos % page, update)))
+  pool_b = len(lead) + b_ax
+  out = jax.vmap(put, in_axes=(pool_b, 0, 0, 0),
+                 out_axes=pool_b)(split_shards(pool, pool_b, shards),
+                                  *(split_shards(a, 0, shards) for a in (blk, pos % page, update)))
   return out.reshape(pool.shape)
 
 

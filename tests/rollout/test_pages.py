@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from rollout.test_batching import CFG, assert_parity, make_engine, run
 
-from jaxrl_hex.models.decoder import map_cache
+from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.decoder import map_cache, stack_layers
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rollout import slots as S
 from jaxrl_hex.rollout.engine import Request
@@ -69,8 +70,13 @@ def test_paged_decoding_equals_the_ring(pools, weights, greedy):
     assert_parity(policy, {0: params}, mine)
 
 
-def test_a_budget_without_room_for_the_calls_copy_decodes_on_the_blocks(pools, weights):
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan_layers"])
+def test_a_budget_without_room_for_the_calls_copy_decodes_on_the_blocks(pools, weights, scan):
   policy, params, _ = weights
+  if scan:  # the stacked pools are written and read at each layer in place (PagedIndex.layer)
+    policy = Policy.build(model_config(**dict(CFG, scan_layers=True)))
+    params = jax.device_put(stack_layers(params), pools["rollout"].shardings_for(policy.logical_axes(),
+                                                                                 policy.shapes()))
   probe = make_engine(pools, policy, max_new_tokens=20, slots=4, kv_page_size=4).memory
   # room for the pool and the weights, not for a decode call's copy of every slot's blocks
   need = probe["kv_cache_bytes_per_device"] + probe["params_bytes_per_device"]
