@@ -425,8 +425,12 @@ class LayerColumn:
                                              keys.astype(stacked_k.dtype)[None], (self.layer, 0, 0, 0, self.column))
     stacked_v = jax.lax.dynamic_update_slice(stacked_v,
                                              values.astype(stacked_v.dtype)[None], (self.layer, 0, 0, self.column, 0))
-    layer = lambda c: jax.lax.dynamic_index_in_dim(c, self.layer, 0, keepdims=False)
-    return layer(stacked_k), layer(stacked_v), (stacked_k, stacked_v)
+    return layer_of(stacked_k, self.layer), layer_of(stacked_v, self.layer), (stacked_k, stacked_v)
+
+
+def layer_of(stacked, layer):
+  """Layer `layer` of a stacked [L, ...] cache array (the slice attention reads)."""
+  return jax.lax.dynamic_index_in_dim(stacked, layer, 0, keepdims=False)
 
 
 @jax.tree_util.register_dataclass
@@ -454,7 +458,7 @@ class PagedIndex:
     pools = tuple(
         write_columns(pool, x, self.table, self.start, write, axes, self.shards, self.layer)
         for pool, x, axes in zip(cache, (keys, values), CACHE_AXES))
-    layer = lambda pool: pool if self.layer is None else jax.lax.dynamic_index_in_dim(pool, self.layer, 0, False)
+    layer = lambda pool: pool if self.layer is None else layer_of(pool, self.layer)
     keys, values = (read_blocks(layer(pool), self.table, axes, self.shards) for pool, axes in zip(pools, CACHE_AXES))
     return keys, values, pools
 
@@ -490,15 +494,15 @@ def write_columns(pool, x, table, start, write, axes, shards: int, layer=None):
   layer: the pool leads with a layers axis [L, ..] (x and axes do not), x goes to that layer."""
   lead = () if layer is None else (layer,)  # indexes the pool's leading layers axis
   b_ax, l_ax = axes.index("batch"), axes.index("length")
+  pool_b = len(lead) + b_ax  # the blocks axis of the pool itself
   (m, page), t = (table.shape[1], pool.shape[len(lead) + l_ax]), x.shape[l_ax]
   pos = start[:, None] + jnp.arange(t)  # [R, T]
   blk = jnp.take_along_axis(table, jnp.minimum(pos // page, m - 1), axis=1)
-  blk = jnp.where(write & (pos < m * page), blk, pool.shape[len(lead) + b_ax])  # out of range: dropped
+  blk = jnp.where(write & (pos < m * page), blk, pool.shape[pool_b])  # out of range: dropped
   every = lambda n: (slice(None),) * n
   put = lambda p, blk, off, u: p.at[lead + every(b_ax) + (blk,) + every(l_ax - b_ax - 1) + (off,)].set(u, mode="drop")
   # blocks and columns (and the layer) are indexed on axes apart, so the update leads with their [R, T]
   update = jnp.moveaxis(x, (b_ax, l_ax), (0, 1)).astype(pool.dtype)
-  pool_b = len(lead) + b_ax
   out = jax.vmap(put, in_axes=(pool_b, 0, 0, 0),
                  out_axes=pool_b)(split_shards(pool, pool_b, shards),
                                   *(split_shards(a, 0, shards) for a in (blk, pos % page, update)))
