@@ -79,11 +79,11 @@ METHODS = (("device_put", "memcpy", 1), ("direct", "memcpy", 2), ("orbax", "disk
 def bench_sync(rounds=5):
   """Each round: the memcpy and disk baselines once, then publish + receive of every method once;
   the best round of each kept (wall time; CPU time beside it)."""
+  from jaxrl_hex import meshes
+  meshes.prepare_cpu_devices(8)
   import jax
-  jax.config.update("jax_num_cpu_devices", 8)
   import ray
 
-  from jaxrl_hex import meshes
   from jaxrl_hex.models.config import model_config
   from jaxrl_hex.models.policy import Policy, param_bytes
   from jaxrl_hex.sync import make_sync

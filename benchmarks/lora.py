@@ -14,18 +14,18 @@ import sys
 import tempfile
 import time
 
-import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-import numpy as np  # noqa: E402
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from readme_section import write_section  # noqa: E402
+sys.path[:0] = [ROOT, HERE]
 
 from jaxrl_hex import meshes  # noqa: E402
+
+meshes.prepare_cpu_devices(8)  # before JAX starts, as the CLI does
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from readme_section import write_section  # noqa: E402
+
 from jaxrl_hex.config import load_config_file  # noqa: E402
 from jaxrl_hex.models.config import model_config  # noqa: E402
 from jaxrl_hex.models.policy import Policy  # noqa: E402

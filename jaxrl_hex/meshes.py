@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_hex.errors import UserError
+from jaxrl_hex.host_memory import keep_freed_memory
 
 # Logical axis -> mesh axes, in priority order. Axes missing from a pool's mesh are dropped. Each
 # use of the model dimension has its own name, so a layout can shard the embedding table, the
@@ -372,7 +373,9 @@ def check_replica_layouts(path, spec: PoolSpec, axes_tree, shapes_tree, fix: str
 
 
 def prepare_cpu_devices(n: int):
-  """Ask for n simulated CPU devices; must run before JAX initialises its backends."""
+  """Ask for n simulated CPU devices (and, under JAXRL_HEX_MALLOC=keep, keep freed host buffers:
+  host_memory); must run before JAX initialises its backends."""
+  keep_freed_memory()
   try:
     jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices or 1))
   except RuntimeError:  # JAX already started (a notebook): keep what it has

@@ -9,6 +9,7 @@ from jax.experimental import multihost_utils
 
 from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide, make_syncs
 from jaxrl_hex.config import config_from_json
+from jaxrl_hex.host_memory import keep_freed_memory
 from jaxrl_hex.metrics import Recorder, thread_stacks
 from jaxrl_hex.planner.catalog import load_catalog
 from jaxrl_hex.runtime import build_runtime, load_mesh
@@ -33,6 +34,7 @@ def _start_jax(platform, local_devices, affinity, coordinator=None, num_processe
   if affinity:  # pin the pool to its own cores, so pools on one machine really run in parallel
     os.sched_setaffinity(0, affinity)
   if platform == "cpu":
+    keep_freed_memory()
     jax.config.update("jax_num_cpu_devices", local_devices)
     if num_processes > 1:
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
