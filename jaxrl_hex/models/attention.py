@@ -122,10 +122,21 @@ def _start(qi):
   return jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(qi.shape, jnp.float32)
 
 
+def _single_tile(q, k, v, mask, scale, cap):
+  """Attention over one tile -> (out in q's dtype, (probabilities [B, KV, G, T, S] fp32, the
+  capped scores' tanh or None)): what its backward reads."""
+  visible = mask.dense()
+  s, t = _scores(q, k, visible, scale, cap)
+  p = jnp.where(visible[:, None, None], jax.nn.softmax(s, axis=-1), 0.0)
+  out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.astype(q.dtype), (p, t)
+
+
 def _forward(q, k, v, mask, scale, cap, bq, bk):
-  """Padded, blocked inputs -> (out [B, KV, G, T, hd] in q's dtype, lse [B, KV, G, T] fp32)."""
+  """Padded, blocked inputs -> (out [B, KV, G, T, hd] in q's dtype, what the backward reads: each
+  query's lse [B, KV, G, T] fp32, or for one tile its probabilities, _single_tile)."""
   if _one_tile(q, k, bq, bk):
-    return _finish(q, *_tile(q, k, v, mask.dense(), scale, cap, _start(q)))
+    return _single_tile(q, k, v, mask, scale, cap)
   qm, km = _tiles(mask, bq, bk)
   kb, vb = _blocks(k, 3, bk), _blocks(v, 2, bk)  # [nk, B, KV, hd, bk], [nk, B, KV, bk, hd]
 
@@ -167,21 +178,15 @@ def _attend(q, k, v, mask, scale, cap, bq, bk):
 
 
 def _attend_fwd(q, k, v, mask, scale, cap, bq, bk):
-  if _one_tile(q, k, bq, bk):  # keeps the tile's probabilities: the backward makes none again
-    visible = mask.dense()
-    s, t = _scores(q, k, visible, scale, cap)
-    p = jnp.where(visible[:, None, None], jax.nn.softmax(s, axis=-1), 0.0)
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
-    return out, (q, k, v, mask, out, (p, t))
-  out, lse = _forward(q, k, v, mask, scale, cap, bq, bk)
-  return out, (q, k, v, mask, out, lse)
+  out, stats = _forward(q, k, v, mask, scale, cap, bq, bk)
+  return out, (q, k, v, mask, out, stats)
 
 
 def _attend_bwd(scale, cap, bq, bk, residuals, d_out):
-  q, k, v, mask, out, lse = residuals
+  q, k, v, mask, out, stats = residuals
   delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, KV, G, T]
   if _one_tile(q, k, bq, bk):  # one pass over the forward's probabilities
-    p, t = lse
+    p, t = stats
     dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out, v, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None])
     if cap:
@@ -192,7 +197,7 @@ def _attend_bwd(scale, cap, bq, bk, residuals, d_out):
     dv = jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out, preferred_element_type=jnp.float32)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jax.tree.map(lambda x: None, mask)
   qm, km = _tiles(mask, bq, bk)
-  qb, dob, lseb, deltab = _blocks(q, 3, bq), _blocks(d_out, 3, bq), _blocks(lse, 3, bq), _blocks(delta, 3, bq)
+  qb, dob, lseb, deltab = _blocks(q, 3, bq), _blocks(d_out, 3, bq), _blocks(stats, 3, bq), _blocks(delta, 3, bq)
   kb, vb = _blocks(k, 3, bk), _blocks(v, 2, bk)
 
   def skip_or(visible, grads, carry):
