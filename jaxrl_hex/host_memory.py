@@ -7,12 +7,13 @@ kernel zeroes each 4 KiB page): 220k page faults and 0.3-0.5 s of a 1.8 s W3 ste
 this machine. keep_freed_memory() makes malloc serve such blocks from its heap (one arena, no
 mmap) and never shrink it, so a block one call frees is the next call's, faults already paid.
 
-Why it is not the default, measured on W3 (benchmarks/train_vs_tunix.py's step, one core):
-- one device: 1.8 -> 1.6 s a step, but the heap fragments: after 12 steps two steps grew it by
-  ~0.9 GB each (1.6 -> 3.4 GB), and fresh heap pages fault far slower than recycled mmap pages
-  on this VM (4.6 s steps);
-- the 2 x 2 mesh (four devices' programs at once): the heap grew 2.8 -> 8.4 GB over 16 steps
-  before steps settled at 1.8-1.95 s (2.13 s without it).
+Why it is not the default (benchmarks/host_memory.py, W3 without shared prompts, 16 steps on one
+core; median step, minor faults a step, resident memory first -> last step):
+- one device: 1.86 s, 219k faults, 1.7 GB with malloc as it is; 1.45 s, 0 faults, but
+  1.6 -> 3.4 GB kept: the heap fragments, and the steps that grow it fault fresh pages in, which
+  costs far more on this VM than recycled mmap pages;
+- the 2 x 2 mesh (four devices' programs allocate at once): 2.11 s, 1.8 GB as it is; kept,
+  1.93 s but 3.0 -> 7.8 GB, with steps of 3.3-4.5 s whenever the heap grows.
 So it suits long single-device CPU runs with memory to spare. Call it before JAX starts its CPU
 backend (meshes.prepare_cpu_devices does), as threads choose their malloc arena when they first
 allocate.
