@@ -70,9 +70,9 @@ def grpo_tokens(rng, seqs, prompt, completion, group=8):
 W3_MESH_FILES = {"1+1": "cpu-1-1.yaml", "2x2": "cpu-8.yaml"}  # W3 layouts: the train pool of each (Tunix: LAYOUTS)
 
 
-def ours_w3(seqs, prompt, completion, share_prompts=True, layout="2x2"):
-  """-> (a function timing one GRPO AdamW step in seconds, the compiling first step's seconds)."""
-  policy = Policy.build(model_config(**TINY))
+def ours_w3(seqs, prompt, completion, share_prompts=True, layout="2x2", model=TINY):
+  """-> (a function timing one GRPO AdamW step of `model` in seconds, the compiling first step's seconds)."""
+  policy = Policy.build(model_config(**model))
   algo = base_config().algo
   algo.update(dict(loss_agg="token-mean", clip_eps_high=0.2, share_prompts=share_prompts))
   tr = trainer(policy, pools(W3_MESH_FILES[layout])["train"], algo)
@@ -137,18 +137,18 @@ def attention_flops(cfg, seqs, width):
   return 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seqs * width * (width + 1) // 2
 
 
-def w3_rounds(seqs, prompt, completion, rounds, layout):
+def w3_rounds(seqs, prompt, completion, rounds, layout, model=TINY):
   """Our step (with and without shared prompts) and its matmul-rate limit on one layout,
   interleaved in `rounds` rounds (ours, limit, ours unshared, limit), each program twice in a row,
   as a train loop runs its step; each keeps its best. (Alternating single calls, every call mapped
   its temporaries, 0.9 GB for W3, onto pages this VM had to supply afresh: page faults ~10x
   dearer than a repeated call's, and the unshared step took 2.6 s instead of 1.8.)"""
-  cfg = model_config(**TINY)
+  cfg = model_config(**model)
   tokens, width = seqs * (prompt + completion), prompt + completion
   params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(Policy.build(cfg).shapes()))
   model_flops = 6 * params * tokens + attention_flops(cfg, seqs, width)
-  shared, shared_first = ours_w3(seqs, prompt, completion, True, layout)
-  unshared, unshared_first = ours_w3(seqs, prompt, completion, False, layout)
+  shared, shared_first = ours_w3(seqs, prompt, completion, True, layout, model)
+  unshared, unshared_first = ours_w3(seqs, prompt, completion, False, layout, model)
   chain, chain_flops = matmul_chain(cfg, pools(W3_MESH_FILES[layout])["train"], tokens)
   times = {"ours": [], "unshared": [], "chain": []}
   for _ in range(rounds):
