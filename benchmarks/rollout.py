@@ -108,7 +108,7 @@ def _our_policy(layout="1", scan_layers=False):
   return pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
 
 
-def matmul_limit(policy, pool, params, batch: int, steps: int, cached=None):
+def matmul_limit(policy, pool, params, batch: int, steps: int, cached=None, attend=0):
   """The decode step's weight matmuls alone, `steps` times over `batch` rows -> run() (blocks
   until done). Activations keep the model's logical axes, so on a mesh the chain is partitioned
   as the engine's step is. Only what joins the matmuls is added: k and v added to their query
@@ -118,7 +118,11 @@ def matmul_limit(policy, pool, params, batch: int, steps: int, cached=None):
 
   cached: instead, the prefill's weight matmuls once over `cached` prompt tokens: every layer's
   k and v, and all but the last layer's q, o and MLP (the prefill keeps the cache alone; the
-  first new token comes from the first decode step, which the decode chain counts)."""
+  first new token comes from the first decode step, which the decode chain counts).
+
+  attend > 0: the decode chain with attention's two matmuls too, per layer q . K and s . V over a
+  cache of `attend` columns (each layer its own, laid out and sharded as the engine's cache), so
+  the chain also reads as much KV cache as a decode that attends to that many columns a row."""
   import jax
   import jax.numpy as jnp
 
@@ -133,7 +137,7 @@ def matmul_limit(policy, pool, params, batch: int, steps: int, cached=None):
   proj = lambda x, w: x @ w.reshape(x.shape[-1], -1).astype(dt)
   head = lambda params, x: act(proj(x, params["lm_head"]), "batch", "vocab_out")
 
-  def layers(params, x):  # x [rows, d_model] -> (x, the last layer's k + v)
+  def layers(params, x, caches=None):  # x [rows, d_model] -> (x, the last layer's k + v)
     blocks = list(params["layers"].values())
     for i, layer in enumerate(blocks):
       a, m = layer["attn"], layer["mlp"]
@@ -142,6 +146,9 @@ def matmul_limit(policy, pool, params, batch: int, steps: int, cached=None):
       if cached is not None and i == len(blocks) - 1:
         return x, k + v
       q = act(proj(x, a["wq"]).reshape(-1, kv, group, hd), "batch", "kv_heads", None, None)
+      if caches is not None:  # [B, KV, G, hd] @ [B, KV, hd, C] -> [B, KV, G, C] @ [B, KV, C, hd]
+        scores = jnp.matmul(q, caches[i][0]) * (hd * attend)**-0.5  # (the scale keeps values finite)
+        q = act(jnp.matmul(scores, caches[i][1]), "batch", "kv_heads", None, None)
       x = act(x + proj((q + k + v).reshape(x.shape[0], -1), a["wo"]), "batch", None)
       h = act(proj(x, m["gate"]), "batch", "mlp") * act(proj(x, m["up"]), "batch", "mlp")
       x = act(x + proj(h, m["down"]), "batch", None)
@@ -150,25 +157,31 @@ def matmul_limit(policy, pool, params, batch: int, steps: int, cached=None):
   if cached is None:
     rows = batch
 
-    def chain(params, x):  # x [batch, d_model]
+    def chain(params, x, caches):  # x [batch, d_model]
       acc = jnp.zeros((batch, cfg.vocab_size), dt)
 
       def step(_, carry):
         x, acc = carry
-        x = layers(params, x)[0]
+        x = layers(params, x, caches)[0]
         return x, acc + head(params, x)
 
       return jax.lax.fori_loop(0, steps, step, (x, acc))[1]
   else:
     rows = cached
 
-    def chain(params, x):  # x [cached, d_model]
+    def chain(params, x, caches):  # x [cached, d_model]
       return layers(params, x)[1]
 
-  x = jax.device_put(
-      np.random.default_rng(0).standard_normal((rows, cfg.d_model)).astype(dt), pool.sharding(("batch", None)))
-  compiled = jax.jit(chain).lower(params, x).compile()
-  return lambda: compiled(params, x).block_until_ready()
+  rng = np.random.default_rng(0)
+  x = jax.device_put(rng.standard_normal((rows, cfg.d_model)).astype(dt), pool.sharding(("batch", None)))
+  caches = None
+  if attend:
+    from jaxrl_hex.models.decoder import CACHE_AXES
+    size = dict(batch=batch, kv_heads=kv, head_dim=hd, length=attend)
+    new = lambda axes: jax.device_put(rng.standard_normal([size[a] for a in axes]).astype(dt), pool.sharding(axes))
+    caches = [tuple(new(axes) for axes in CACHE_AXES) for _ in range(cfg.n_layers)]
+  compiled = jax.jit(chain).lower(params, x, caches).compile()
+  return lambda: compiled(params, x, caches).block_until_ready()
 
 
 def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers=False, paged_gather=False):
@@ -198,21 +211,27 @@ def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers
   # the prompt tokens a run caches (each row's last is its first decode step's input), rounded up
   # to whole rows per device
   cached = -(-(engine.prefill_tokens - len(w["prompts"])) // len(pool.devices)) * len(pool.devices)
-  limit = matmul_limit(policy, pool, params, w["slots"], steps)
-  prefill_limit = matmul_limit(policy, pool, params, w["slots"], steps, cached=cached)
-  limit(), prefill_limit()  # warm
-  best, best_limit, best_prefill_limit = float("inf"), float("inf"), float("inf")
-  for i in range(repeats):  # interleaved: ours, limit, prefill limit, ours, ...
+  # the cache columns the run's new tokens attend to (token j of a row: the P cached and pending
+  # prompt tokens and the j before it), spread over its decode steps' rows
+  p_len = w["prompts"].shape[1]
+  attend = max(1, round(sum(p_len + j for b in w["budgets"] for j in range(b)) / (steps * w["slots"])))
+  chains = dict(limit=matmul_limit(policy, pool, params, w["slots"],
+                                   steps), prefill=matmul_limit(policy, pool, params, w["slots"], steps, cached=cached),
+                attention=matmul_limit(policy, pool, params, w["slots"], steps, attend=attend))
+  for chain in chains.values():
+    chain()  # warm
+  best, best_chain = float("inf"), dict.fromkeys(chains, float("inf"))
+  for i in range(repeats):  # interleaved: ours, each chain, ours, ...
     t0 = time.perf_counter()
     got = run(i + 1)
     best = min(best, time.perf_counter() - t0)
     assert got == tokens, (got, tokens)
-    t0 = time.perf_counter()
-    limit()
-    best_limit = min(best_limit, time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    prefill_limit()
-    best_prefill_limit = min(best_prefill_limit, time.perf_counter() - t0)
+    for name, chain in chains.items():
+      t0 = time.perf_counter()
+      chain()
+      best_chain[name] = min(best_chain[name], time.perf_counter() - t0)
+  best_limit, best_prefill_limit = best_chain["limit"], best_chain["prefill"]
+  full_limit = best_chain["attention"] + best_prefill_limit
   # one more run with each prefill waited on: otherwise its program runs on while the host goes
   # on, and the next decode call's wait for its outputs holds it
   prefill_s, plain = [0.0], engine._prefill
@@ -230,12 +249,13 @@ def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers
   return dict(seconds=best, compile_s=max(cold - best, 0.0), new_tokens=tokens, compile_count=engine.compile_count,
               kv_cache_bytes=engine.memory["kv_cache_bytes"], decode_steps=steps, limit_seconds=best_limit,
               limit_tokens_per_s=tokens / best_limit, ours_over_limit=best_limit / best, layout=layout,
-              scan_layers=scan_layers, prefill_share=prefill_s[0] / split,
-              decode_over_limit=best_limit / (split - prefill_s[0]), cached_prompt_tokens=cached,
-              prefill_limit_seconds=best_prefill_limit,
+              scan_layers=scan_layers, prefill_share=prefill_s[0] / split, decode_over_limit=best_limit /
+              (split - prefill_s[0]), cached_prompt_tokens=cached, prefill_limit_seconds=best_prefill_limit,
               run_limit_tokens_per_s=tokens / (best_limit + best_prefill_limit),
               ours_over_run_limit=(best_limit + best_prefill_limit) / best,
-              prefill_over_limit=best_prefill_limit / prefill_s[0])
+              prefill_over_limit=best_prefill_limit / prefill_s[0], attend_columns=attend,
+              attention_limit_seconds=best_chain["attention"], full_limit_tokens_per_s=tokens / full_limit,
+              ours_over_full_limit=full_limit / best)
 
 
 def run_naive(w, repeats):
@@ -345,7 +365,8 @@ def main(argv=None):
       f"new tokens/s, compile {result['compile_s']:.1f}s" +
       (f", {result['ours_over_limit']:.2f} of the matmul limit (prefill {result['prefill_share']:.0%} of a run, "
        f"the rest {result['decode_over_limit']:.2f} of the limit); {result['ours_over_run_limit']:.2f} of the limit "
-       f"with the prefill's matmuls (prefill alone {result['prefill_over_limit']:.2f} of its own)"
+       f"with the prefill's matmuls (prefill alone {result['prefill_over_limit']:.2f} of its own); "
+       f"{result['ours_over_full_limit']:.2f} with attention's matmuls too ({result['attend_columns']} columns)"
        if "ours_over_limit" in result else ""))
   return 0
 

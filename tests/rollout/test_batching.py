@@ -95,6 +95,28 @@ def test_slots_refill_in_fifo_order_and_every_request_is_answered_once(pools, we
   assert engine.pending == 0 and engine.poll() == []
 
 
+def test_submit_keys_follow_submission_order_and_given_keys(pools, weights):
+  """One submit derives every sample's key in one call: request k (counted over all submits) without
+  a key draws from fold_in(engine.rng, k), one with a key (typed or raw data) from it; sample j
+  from fold_in(that key, j). A request the engine refuses queues none of its batch."""
+  policy, _, _ = weights
+  engine = make_engine(pools, policy, slots=4)
+  data = lambda key: np.asarray(jax.random.key_data(key))
+  typed, raw = jax.random.key(11), jax.random.key_data(jax.random.key(12))
+  with pytest.raises(UserError, match="max_prompt_len"):
+    engine.submit([Request("1="), Request("1" * 40)])
+  assert engine.queued == 0
+  engine.submit([Request("1=", n=2), Request("2=", n=3, key=typed), Request("3=")])
+  engine.submit([Request("4=", n=4, key=raw), Request("5=")])
+  want = [(jax.random.fold_in(engine.rng, 0), 2), (typed, 3), (jax.random.fold_in(engine.rng, 2), 1),
+          (jax.random.wrap_key_data(raw), 4), (jax.random.fold_in(engine.rng, 4), 1)]
+  got = [[seq.key for seq in entry] for entry in engine._queue]
+  assert [len(g) for g in got] == [n for _, n in want]
+  for keys, (key, _) in zip(got, want):
+    np.testing.assert_array_equal(keys, [data(jax.random.fold_in(key, j)) for j in range(len(keys))])
+  assert len({k.tobytes() for keys in got for k in keys}) == 11  # every sample its own key
+
+
 def test_shared_group_prefill_equals_separate_prefills(pools, weights):
   policy, params, _ = weights
   outs, caches = [], []
