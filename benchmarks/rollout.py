@@ -36,6 +36,7 @@ tensor-parallel all-reduces.
 This file must not import jaxrl_hex at module level: the tunix engine runs it in the Tunix venv.
 """
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -215,9 +216,8 @@ def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers
   # prompt tokens and the j before it), spread over its decode steps' rows
   p_len = w["prompts"].shape[1]
   attend = max(1, round(sum(p_len + j for b in w["budgets"] for j in range(b)) / (steps * w["slots"])))
-  chains = dict(limit=matmul_limit(policy, pool, params, w["slots"],
-                                   steps), prefill=matmul_limit(policy, pool, params, w["slots"], steps, cached=cached),
-                attention=matmul_limit(policy, pool, params, w["slots"], steps, attend=attend))
+  limit_of = functools.partial(matmul_limit, policy, pool, params, w["slots"], steps)
+  chains = dict(limit=limit_of(), prefill=limit_of(cached=cached), attention=limit_of(attend=attend))
   for chain in chains.values():
     chain()  # warm
   best, best_chain = float("inf"), dict.fromkeys(chains, float("inf"))
@@ -246,11 +246,12 @@ def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers
   t0 = time.perf_counter()
   run(repeats + 1)
   split = time.perf_counter() - t0
+  decode_s = split - prefill_s[0]
   return dict(seconds=best, compile_s=max(cold - best, 0.0), new_tokens=tokens, compile_count=engine.compile_count,
               kv_cache_bytes=engine.memory["kv_cache_bytes"], decode_steps=steps, limit_seconds=best_limit,
               limit_tokens_per_s=tokens / best_limit, ours_over_limit=best_limit / best, layout=layout,
-              scan_layers=scan_layers, prefill_share=prefill_s[0] / split, decode_over_limit=best_limit /
-              (split - prefill_s[0]), cached_prompt_tokens=cached, prefill_limit_seconds=best_prefill_limit,
+              scan_layers=scan_layers, prefill_share=prefill_s[0] / split, decode_over_limit=best_limit / decode_s,
+              cached_prompt_tokens=cached, prefill_limit_seconds=best_prefill_limit,
               run_limit_tokens_per_s=tokens / (best_limit + best_prefill_limit),
               ours_over_run_limit=(best_limit + best_prefill_limit) / best,
               prefill_over_limit=best_prefill_limit / prefill_s[0], attend_columns=attend,
