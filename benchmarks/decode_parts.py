@@ -63,18 +63,11 @@ def measure(part: str, rounds: int) -> dict:
   w = rollout.workload("W1")
   pool, policy, params = rollout._our_policy()
 
-  def engine():
-    e = engine_module.Engine(policy, pool, rollout.IntTokenizer(), w["max_new"], temperature=1.0, slots=w["slots"],
-                             max_prompt_len=w["prompts"].shape[1], eos_ids=(rollout.EOS,), steps_per_sync=16)
-    e.load_weights(0, params)
-    return e
+  engine = lambda: rollout.our_engine(w, pool, policy, params)
 
   def run(e, seed):
-    e.rng = jax.random.key(seed)
     t0 = time.perf_counter()
-    e.submit([engine_module.Request(p.tolist(), max_tokens=b) for p, b in zip(w["prompts"], w["budgets"])])
-    while e.pending:
-      e.poll()
+    rollout.run_workload(e, w, seed)
     return time.perf_counter() - t0
 
   plain = engine()

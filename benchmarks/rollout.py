@@ -185,26 +185,38 @@ def matmul_limit(policy, pool, params, batch: int, steps: int, cached=None, atte
   return lambda: compiled(params, x, caches).block_until_ready()
 
 
-def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers=False, paged_gather=False):
-  import jax
-
-  from jaxrl_hex.rollout.engine import Engine, Request
-  pool, policy, params = _our_policy(layout, scan_layers)
+def our_engine(w, pool, policy, params, steps_per_sync=16, kv_page_size=0):
+  """jaxrl_hex's engine for workload w, with params loaded as version 0."""
+  from jaxrl_hex.rollout.engine import Engine
   engine = Engine(policy, pool, IntTokenizer(), w["max_new"], temperature=1.0, slots=w["slots"],
                   max_prompt_len=w["prompts"].shape[1], eos_ids=(EOS,), steps_per_sync=steps_per_sync,
                   kv_page_size=kv_page_size)
+  engine.load_weights(0, params)
+  return engine
+
+
+def run_workload(engine, w, seed) -> int:
+  """Workload w through our engine once, sampling with `seed` -> its new tokens."""
+  import jax
+
+  from jaxrl_hex.rollout.engine import Request
+  g = w["group"]
+  engine.rng = jax.random.key(seed)
+  engine.submit([Request(p.tolist(), n=g, max_tokens=w["budgets"][i * g]) for i, p in enumerate(w["prompts"])])
+  samples = []
+  while engine.pending:
+    samples += engine.poll()
+  return sum(len(s.tokens) for s in samples)
+
+
+def run_ours(w, repeats, steps_per_sync, kv_page_size=0, layout="1", scan_layers=False, paged_gather=False):
+  import jax
+
+  pool, policy, params = _our_policy(layout, scan_layers)
+  engine = our_engine(w, pool, policy, params, steps_per_sync, kv_page_size)
   if paged_gather:  # decode on the blocks, as a pool without room for a call's copy does
     engine.paged_copy = False
-  engine.load_weights(0, params)
-  g = w["group"]
-
-  def run(seed):
-    engine.rng = jax.random.key(seed)
-    engine.submit([Request(p.tolist(), n=g, max_tokens=w["budgets"][i * g]) for i, p in enumerate(w["prompts"])])
-    samples = []
-    while engine.pending:
-      samples += engine.poll()
-    return sum(len(s.tokens) for s in samples)
+  run = functools.partial(run_workload, engine, w)
 
   t0 = time.perf_counter()
   tokens, steps = run(0), engine.decode_steps
