@@ -36,8 +36,8 @@ from jaxrl_hex.models.attention import Segments
 from jaxrl_hex.models.config import is_sliding
 from jaxrl_hex.models.sharding import constrain
 
-# A list of (keys, values) in the layout of CACHE_AXES: one pair per layer, or with
-# cfg.scan_layers one pair for all layers, stacked [L, ...] (see cache_axes).
+# A list of (keys, values) in the layout of CACHE_AXES (or FLAT_CACHE_AXES): one pair per layer,
+# or with cfg.scan_layers one pair for all layers, stacked [L, ...] (see cache_axes).
 Cache = list
 
 ACTIVATIONS = {
@@ -169,15 +169,16 @@ class Attention(nnx.Module):
     if self.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, table), rope(k, table)
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
     keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache layout (init_cache)
     if isinstance(cache_index, (PagedIndex, LayerColumn)):
       keys, values, cache = cache_index.write_read(cache, keys, values)
-    elif cache is not None:
-      keys = jax.lax.dynamic_update_slice_in_dim(cache[0], keys.astype(cache[0].dtype), cache_index, axis=3)
-      values = jax.lax.dynamic_update_slice_in_dim(cache[1], values.astype(cache[1].dtype), cache_index, axis=2)
-      cache = (keys, values)
-    b, t, h, hd = q.shape
-    kv = k.shape[2]
+    elif cache is not None:  # the length axis is last of keys, next to last of values, in either layout
+      keys, values = fold_heads(keys, values, cache)
+      cache = (jax.lax.dynamic_update_slice_in_dim(cache[0], keys.astype(cache[0].dtype), cache_index, axis=-1),
+               jax.lax.dynamic_update_slice_in_dim(cache[1], values.astype(cache[1].dtype), cache_index, axis=-2))
+      keys, values = unfold_heads(*cache, kv)
     g = h // kv
     q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
     if isinstance(mask, Segments):
@@ -405,6 +406,33 @@ def causal_mask(valid):
 # p.v are then plain matmuls over the cache as it lies (a [B, S, KV, head_dim] cache is
 # transposed whole at every step on CPU: 2x slower decode attention).
 CACHE_AXES = (("batch", "kv_heads", "head_dim", "length"), ("batch", "kv_heads", "length", "head_dim"))
+# The same with each KV head's head_dim folded into kv_heads: keys [B, KV * head_dim, S], values
+# [B, S, KV * head_dim], for a rollout shard that holds one KV head. Attention reads a layer's
+# cache right after a decode step writes its column; in the 4-d layout a shard's one-head axis is
+# dropped between the two (a reshape), and XLA:CPU fused a copy of the write into that reshape,
+# four whole-cache copies per layer and step. Here the read lines up with the write as it lies.
+FLAT_CACHE_AXES = (("batch", "kv_heads", "length"), ("batch", "length", "kv_heads"))
+
+
+def entry_axes(keys) -> tuple:
+  """The logical axes of a (keys, values) cache entry, from its keys' rank."""
+  return {3: FLAT_CACHE_AXES, 4: CACHE_AXES, 5: tuple(("layers",) + axes for axes in CACHE_AXES)}[keys.ndim]
+
+
+def fold_heads(keys, values, entry):
+  """New keys [B, KV, hd, T] and values [B, KV, T, hd] in the layout of cache entry `entry`."""
+  if entry[0].ndim != 3:
+    return keys, values
+  b, kv, hd, t = keys.shape
+  return keys.reshape(b, kv * hd, t), values.transpose(0, 2, 1, 3).reshape(b, t, kv * hd)
+
+
+def unfold_heads(keys, values, kv: int):
+  """A cache entry's keys and values (either layout) as attention reads them: [B, KV, hd, S], [B, KV, S, hd]."""
+  if keys.ndim != 3:
+    return keys, values
+  b, _, s = keys.shape
+  return keys.reshape(b, kv, -1, s), values.reshape(b, s, kv, -1).transpose(0, 2, 1, 3)
 
 
 @jax.tree_util.register_dataclass
@@ -437,7 +465,7 @@ def layer_of(stacked, layer):
 @dataclasses.dataclass(frozen=True)
 class PagedIndex:
   """The cache_index of a paged cache: each layer's (keys, values) is a pool of blocks in the
-  cache layout, [blocks, KV, head_dim, P] and [blocks, KV, P, head_dim], and row b's position p
+  cache layout, [blocks, KV, head_dim, P] and [blocks, KV, P, head_dim] (or flat), and row b's position p
   lives in block table[b, p // P] at column p % P. The blocks axis splits into `shards` equal
   parts (the data shards); row b belongs to shard b // (B / shards) and its table names blocks
   of that part, so under a mesh whose batch axes split both the rows and the blocks each
@@ -454,13 +482,15 @@ class PagedIndex:
     -> (every row's table blocks gathered as keys [B, KV, hd, M P], values [B, KV, M P, hd], the
     new (keys, values) pools). Rows read their whole table: the mask hides positions not cached.
     Stacked pools are written and read at `layer` only, in place."""
+    kv = keys.shape[1]
     write = jnp.broadcast_to(self.write[:, None], (self.write.shape[0], keys.shape[-1]))
+    all_axes = FLAT_CACHE_AXES if cache[0].ndim == 3 else CACHE_AXES  # (stacked pools: per layer)
     pools = tuple(
         write_columns(pool, x, self.table, self.start, write, axes, self.shards, self.layer)
-        for pool, x, axes in zip(cache, (keys, values), CACHE_AXES))
+        for pool, x, axes in zip(cache, fold_heads(keys, values, cache), all_axes))
     layer = lambda pool: pool if self.layer is None else layer_of(pool, self.layer)
-    keys, values = (read_blocks(layer(pool), self.table, axes, self.shards) for pool, axes in zip(pools, CACHE_AXES))
-    return keys, values, pools
+    read = (read_blocks(layer(pool), self.table, axes, self.shards) for pool, axes in zip(pools, all_axes))
+    return *unfold_heads(*read, kv), pools
 
 
 def split_shards(x, axis: int, shards: int):
@@ -509,37 +539,44 @@ def write_columns(pool, x, table, start, write, axes, shards: int, layer=None):
   return out.reshape(pool.shape)
 
 
-def cache_axes(cfg) -> list:
-  """The logical axes of init_cache's arrays, in its structure: per layer, or stacked."""
+def cache_axes(cfg, flat=False) -> list:
+  """The logical axes of init_cache's arrays, in its structure: per layer, or stacked. flat:
+  FLAT_CACHE_AXES (per layer only)."""
   if cfg.scan_layers:
+    if flat:
+      raise ValueError("a flat KV cache is per layer: not with model.scan_layers")
     return [tuple(("layers",) + axes for axes in CACHE_AXES)]
-  return [CACHE_AXES] * cfg.n_layers
+  return [FLAT_CACHE_AXES if flat else CACHE_AXES] * cfg.n_layers
 
 
-def cache_shapes(cfg, batch, length) -> list:
+def cache_shapes(cfg, batch, length, flat=False) -> list:
   """The shapes of init_cache's arrays, in its structure."""
   sizes = {
       "layers": cfg.n_layers,
       "batch": batch,
-      "kv_heads": cfg.n_kv_heads,
+      "kv_heads": cfg.n_kv_heads * (cfg.head_dim if flat else 1),
       "head_dim": cfg.head_dim,
       "length": length
   }
-  return [tuple(tuple(sizes[a] for a in axes) for axes in entry) for entry in cache_axes(cfg)]
+  return [tuple(tuple(sizes[a] for a in axes) for axes in entry) for entry in cache_axes(cfg, flat)]
 
 
-def init_cache(cfg, batch, length, dtype=None) -> Cache:
+def init_cache(cfg, batch, length, dtype=None, flat=False) -> Cache:
   dt = jnp.dtype(dtype or cfg.dtype)
-  return [tuple(jnp.zeros(shape, dt) for shape in entry) for entry in cache_shapes(cfg, batch, length)]
+  return [tuple(jnp.zeros(shape, dt) for shape in entry) for entry in cache_shapes(cfg, batch, length, flat)]
+
+
+def is_flat(cache: Cache) -> bool:
+  """The cache is in FLAT_CACHE_AXES."""
+  return entry_axes(cache[0][0]) == FLAT_CACHE_AXES
 
 
 def map_cache(fn, cache: Cache, *others: Cache) -> Cache:
   """fn(array, *the same array of each of others, logical axes) over every array of a cache, so a
-  caller finds the batch and length axes by name whether the cache is per layer or stacked."""
+  caller finds the batch and length axes by name whatever the cache's layout."""
   return [
-      tuple(
-          fn(*arrays, (("layers",) if arrays[0].ndim > len(axes) else ()) + axes)
-          for *arrays, axes in zip(*entries, CACHE_AXES)) for entries in zip(cache, *others)
+      tuple(fn(*arrays, axes) for *arrays, axes in zip(*entries, entry_axes(entries[0][0])))
+      for entries in zip(cache, *others)
   ]
 
 

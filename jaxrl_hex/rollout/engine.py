@@ -53,7 +53,7 @@ from jaxrl_hex.config import check_paged_kv
 from jaxrl_hex.data.rollouts import Rollout, decode_completions, encode_prompts
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.meshes import local_device, to_host
-from jaxrl_hex.models.decoder import cache_shapes
+from jaxrl_hex.models.decoder import CACHE_AXES, cache_shapes
 from jaxrl_hex.rollout import slots as S
 from jaxrl_hex.rollout.pages import BlockPool
 
@@ -228,8 +228,12 @@ class Engine:
   def _layout(self, page: int, blocks: int, shards: int) -> S.Layout:
     """The cache layout of the kv_page_size and kv_blocks knobs; refuses knobs that cannot work."""
     check_paged_kv(page, blocks)
+    cfg = self.policy.cfg
+    shape = cache_shapes(cfg, self.num_slots, self.length)[0][0]
+    one_head = self.pool.sharding(CACHE_AXES[0], shape, "KV cache").shard_shape(shape)[1] == 1
+    flat = one_head and not cfg.scan_layers  # (models.decoder.FLAT_CACHE_AXES)
     if not page:
-      return S.Layout(self.num_slots, self.length)
+      return S.Layout(self.num_slots, self.length, flat=flat)
     per_seq = -(-self.length // page)
     blocks = blocks or self.num_slots * per_seq
     if blocks % shards or blocks // shards < per_seq:
@@ -238,15 +242,15 @@ class Engine:
           f"and give each of them at least one longest sequence: rollout.max_prompt_len + rollout.max_new_tokens = "
           f"{self.length} tokens = {per_seq} blocks of rollout.kv_page_size={page}; use kv_blocks >= "
           f"{shards * per_seq}, a multiple of {shards}")
-    return S.Layout(self.num_slots, self.length, page, blocks, shards)
+    return S.Layout(self.num_slots, self.length, page, blocks, shards, flat)
 
   def _memory_plan(self, budget_gb: float) -> dict:
     """Per-device bytes of the KV cache and the weights; refuses a cache that does not fit."""
     cfg = self.policy.cfg
     shard_bytes = lambda sharding, shape, dtype: int(np.prod(sharding.shard_shape(shape))) * jnp.dtype(dtype).itemsize
     cache = sum(
-        shard_bytes(sharding, shape, self.cache_dtype)
-        for entry, shapes in zip(self._state_shardings.cache, cache_shapes(cfg, *self.layout.cache_rows))
+        shard_bytes(sharding, shape, self.cache_dtype) for entry, shapes in zip(
+            self._state_shardings.cache, cache_shapes(cfg, *self.layout.cache_rows, self.layout.flat))
         for sharding, shape in zip(entry, shapes))
     params = sum(
         shard_bytes(sh, x.shape, x.dtype)

@@ -44,6 +44,7 @@ from jaxrl_hex.models.decoder import (
     cache_axes,
     cache_shapes,
     init_cache,
+    is_flat,
     map_cache,
     read_blocks,
     rope_tables,
@@ -280,12 +281,14 @@ def key_words() -> int:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Where the engine's KV lives: page == 0, a ring of `length` columns per slot; else a pool of
-  `blocks` blocks of `page` tokens (split over `shards` data shards), `length` positions per slot."""
+  `blocks` blocks of `page` tokens (split over `shards` data shards), `length` positions per slot.
+  flat: the cache arrays in models.decoder's FLAT_CACHE_AXES (for shards that hold one KV head)."""
   slots: int
   length: int
   page: int = 0
   blocks: int = 0
   shards: int = 1
+  flat: bool = False
 
   @property
   def cache_rows(self) -> tuple:
@@ -305,15 +308,15 @@ def init_state(cfg, layout: Layout, cache_dtype) -> DecodeState:
     kv = Pages(jnp.full((s, layout.table_width), layout.blocks, jnp.int32), layout.page, layout.shards)
   else:
     kv = Ring(zeros(s, t, dt=bool), zeros(s, t), zeros(s, t), jnp.int32(0))
-  return DecodeState(cache=init_cache(cfg, *layout.cache_rows, cache_dtype), kv=kv, pending=zeros(s), pos=zeros(s),
-                     count=zeros(s), max_new=zeros(s), key=zeros(s, key_words(), dt=jnp.uint32))
+  return DecodeState(cache=init_cache(cfg, *layout.cache_rows, cache_dtype, layout.flat), kv=kv, pending=zeros(s),
+                     pos=zeros(s), count=zeros(s), max_new=zeros(s), key=zeros(s, key_words(), dt=jnp.uint32))
 
 
 def state_shardings(pool, cfg, layout: Layout) -> DecodeState:
   """A DecodeState of the fields' shardings on `pool`."""
   cache = [
       tuple(pool.sharding(a, shape, "KV cache") for a, shape in zip(axes, shapes))
-      for axes, shapes in zip(cache_axes(cfg), cache_shapes(cfg, *layout.cache_rows))
+      for axes, shapes in zip(cache_axes(cfg, layout.flat), cache_shapes(cfg, *layout.cache_rows, layout.flat))
   ]
   of = lambda cls: {k: pool.sharding(axes) for k, axes in _field_axes(cls).items()}
   kv = Pages(**of(Pages), page=layout.page, shards=layout.shards) if layout.page else Ring(**of(Ring))
@@ -335,7 +338,7 @@ def prefill(policy, params, state: DecodeState, tokens, lengths, slot_ids, src, 
   j = jnp.arange(p_len)
   positions = jnp.broadcast_to(j, (n, p_len))
   _, kv = policy.apply(params, tokens, positions, Segments.causal(j[None] < lengths[:, None], positions),
-                       init_cache(policy.cfg, n, p_len, state.cache[0][0].dtype), 0)
+                       init_cache(policy.cfg, n, p_len, state.cache[0][0].dtype, is_flat(state.cache)), 0)
   slot_src = jnp.full((slots,), -1, jnp.int32).at[slot_ids].set(src, mode="drop")  # [S] prompt row or -1
   filled = slot_src >= 0
   row = jnp.maximum(slot_src, 0)
@@ -465,8 +468,8 @@ def recompute(policy, params, state: DecodeState) -> DecodeState:
   slots, length = valid.shape
   # query column q sees key column k of the same sequence at an earlier or equal position
   mask = valid[:, :, None] & valid[:, None, :] & (pos[:, None, :] <= pos[:, :, None])
-  _, cache = policy.apply(params, ring.col_tok, pos, mask, init_cache(policy.cfg, slots, length,
-                                                                      state.cache[0][0].dtype), 0, key_positions=pos)
+  empty = init_cache(policy.cfg, slots, length, state.cache[0][0].dtype, is_flat(state.cache))
+  _, cache = policy.apply(params, ring.col_tok, pos, mask, empty, 0, key_positions=pos)
   return dataclasses.replace(state, cache=cache)
 
 

@@ -5,11 +5,13 @@ rl.layout.token_logprobs of the same tokens under the weights of that token's ve
 only holds if each refilled slot's KV (and each recomputed KV) is exactly right.
 """
 import functools
+import re
 
 import jax
 import numpy as np
 import pytest
 
+from jaxrl_hex import meshes
 from jaxrl_hex.data.rollouts import bucket
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.models.config import model_config
@@ -163,6 +165,36 @@ def test_a_fresh_batch_decodes_on_the_ring_columns_it_has_written(pools, weights
   assert {key[1] for key in engine._fns if key[0] == "decode"} == {28, 42, 56}
   assert sorted(len(s.tokens) for s in samples) == [23, 23, 40, 40]
   assert_parity(policy, {0: params}, samples)
+
+
+def loop_copies(engine) -> int:
+  """Copies of arrays of 3 or more axes (a KV cache, or a paged call's copy of it) in the loop
+  of the engine's compiled decode program (its largest while body)."""
+  fn, args = engine.decode_program()
+  hlo = fn.lower(*args).compile().as_text()
+  bodies = re.findall(r"body=%?([\w.\-]+)", hlo)
+  computations = {m.group(1): m.group(2) for m in re.finditer(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S)}
+  loop = max((computations[b] for b in bodies), key=len)
+  return len(re.findall(r"= \w+\[\d+,\d+,\d+[\d,]*\]\S* copy\(", loop))
+
+
+def test_a_decode_step_writes_its_cache_in_place_on_either_layout(pools, weights):
+  """A pool whose shards hold one KV head each (the rollout pool: 2 heads over tensor=2) keeps its
+  ring or block pool flat, one with whole heads (a single device) 4-d; on each the decode loop
+  writes a step's column in place (the 4-d layout on one head a shard made 4 copies of each
+  layer's cache, or of a paged call's copy of it, per step), and the logprobs are the trainer's."""
+  policy, params, _ = weights
+  one = meshes.Pool(meshes.PoolSpec("rollout", (4,), {}, dict(meshes.DEFAULT_RULES)))
+  for pool, page, flat, shape in ((pools["rollout"], 0, True, (4, 16, 24)), (one, 0, False, (4, 2, 8, 24)),
+                                  (pools["rollout"], 4, True, (24, 16, 4)), (one, 4, False, (24, 2, 8, 4))):
+    engine = Engine(policy, pool, TOK, 8, temperature=TEMP, slots=4, max_prompt_len=16, eos_ids=NO_EOS,
+                    steps_per_sync=4, kv_page_size=page)
+    engine.load_weights(0, jax.device_put(params, engine.param_shardings))
+    samples = run(engine, [Request("12+34=", n=2), Request("7=", n=3, max_tokens=6)])
+    assert loop_copies(engine) == 0
+    assert engine.layout.flat is flat and engine._state.cache[0][0].shape == shape
+    assert sorted(len(s.tokens) for s in samples) == [6, 6, 6, 8, 8]
+    assert_parity(policy, {0: params}, samples)
 
 
 def test_a_sliding_window_model_decodes_as_the_trainer_scores(pools):
