@@ -2,7 +2,8 @@
 
   decode  a ~1B-parameter bf16 decoder through the engine's decode step: tokens/s and the share of
           the HBM roofline (bytes one step must read: every weight + the KV columns it attends
-          over, per second, against the device-to-device copy rate measured here)
+          over, per second, against the device-to-device copy rate measured here); beside it the
+          step's matmuls alone (weights and attention over the same columns, rollout.py's chain)
   train   the real Trainer's GRPO update (AdamW, bf16) on the same model: MFU = model FLOPs per
           step (6 x matmul params x tokens + causal attention) / step time / the chip's peak
           (catalog bf16_tflops), and the share of a large bf16 matmul's rate measured here
@@ -22,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +55,8 @@ def copy_rate(nbytes, repeats=20) -> float:
 
 def matmul_flops(n, repeats=10) -> float:
   """FLOP/s of an n x n x n bf16 matmul chain: what the chip's matmul units reach here."""
-  a = jnp.ones((n, n), jnp.bfloat16) / n
+  # random data: constant operands run faster than real ones on some chips
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32) * n**-0.5, jnp.bfloat16)
   chain = jax.jit(lambda x: x @ a)
   x = chain(a).block_until_ready()
   t0 = time.perf_counter()
@@ -91,10 +94,27 @@ def build(model):
   cfg = model_config(**model)
   pool = meshes.Pool(meshes.PoolSpec("pool", (0,), {}, dict(meshes.DEFAULT_RULES)), jax.devices()[:1])
   policy = Policy.build(cfg)
-  return cfg, pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
+  return cfg, pool, policy, random_params(policy.shapes(), pool.shardings_for(policy.logical_axes(), policy.shapes()))
+
+
+def random_params(shapes, shardings):
+  """Params of these shapes drawn on the host, one draw per distinct shape (layers share theirs):
+  the speed figures need no trained or distinct weights, and Policy.init's one program took ~2 min
+  to compile for MODEL on an H200 (XLA:GPU, jax 0.11.2; 6 s on XLA:CPU)."""
+  rng, drawn = np.random.default_rng(0), {}
+
+  def draw(shape, sharding):
+    if shape.shape not in drawn:  # norm scales 1, matrices N(0, 1 / fan_in)
+      drawn[shape.shape] = (np.ones(shape.shape, np.float32) if len(shape.shape) == 1 else
+                            rng.standard_normal(shape.shape, np.float32) * shape.shape[0]**-0.5)
+    return jax.device_put(drawn[shape.shape].astype(shape.dtype), sharding)
+
+  return jax.tree.map(draw, shapes, shardings)
 
 
 def part_decode(model, args) -> dict:
+  from rollout import matmul_limit  # benchmarks/rollout.py
+
   from jaxrl_hex.models.config import param_count
   from jaxrl_hex.models.policy import param_bytes
   from jaxrl_hex.rollout.engine import Engine, Request
@@ -124,13 +144,30 @@ def part_decode(model, args) -> dict:
   step_s = sum(t for t, _ in chunks) / (len(chunks) * args.chunk)
   bandwidth = 2 * copy_rate(args.copy_bytes)  # read + written bytes per second
   kv_bytes = engine.memory["kv_cache_bytes"]
-  bytes_per_step = int(param_bytes(params) + kv_bytes * np.mean([span for _, span in chunks]) / engine.length)
+  span = float(np.mean([span for _, span in chunks]))
+  # a step reads every weight but the embedding table, of which it reads its rows' entries
+  embed = params["embed"]
+  weight_bytes = param_bytes(params) - embed.nbytes + args.slots * embed.shape[1] * embed.dtype.itemsize
+  bytes_per_step = int(weight_bytes + kv_bytes * span / engine.length)
+  # what the step's matmuls alone take (weights + attention over the same columns, benchmarks/rollout.py)
+  chain = matmul_limit(policy, pool, params, args.slots, args.chunk, attend=int(round(span)))
+  chain()
+  chain_s = min(timed_call(chain) for _ in range(3)) / args.chunk
   return dict(params=param_count(cfg), slots=args.slots, prompt=args.prompt, new_tokens=args.new,
               compile_and_first_run_s=round(compile_s, 2), decode_step_ms=round(step_s * 1e3, 3),
-              decode_tokens_per_s=round(args.slots / step_s,
-                                        1), weight_bytes=param_bytes(params), kv_cache_bytes=kv_bytes,
-              bytes_per_step=bytes_per_step, achieved_gb_per_s=round(bytes_per_step / step_s / 1e9, 1),
-              copy_gb_per_s=round(bandwidth / 1e9, 1), roofline_share=round(bytes_per_step / step_s / bandwidth, 3))
+              decode_tokens_per_s=round(args.slots / step_s, 1), weight_bytes_read=weight_bytes,
+              kv_cache_bytes=kv_bytes, columns_attended=round(span, 1), bytes_per_step=bytes_per_step,
+              achieved_gb_per_s=round(bytes_per_step / step_s / 1e9, 1), copy_gb_per_s=round(bandwidth / 1e9, 1),
+              roofline_share=round(bytes_per_step / step_s / bandwidth,
+                                   3), matmul_chain_step_ms=round(chain_s * 1e3, 3),
+              chain_roofline_share=round(bytes_per_step / chain_s / bandwidth,
+                                         3), ours_over_chain=round(chain_s / step_s, 3))
+
+
+def timed_call(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
 
 
 def step_flops(cfg, rows, length) -> float:
@@ -139,6 +176,7 @@ def step_flops(cfg, rows, length) -> float:
   from jaxrl_hex.models.config import param_count
   matmul_params = param_count(cfg) - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
   matmul_params += cfg.vocab_size * cfg.d_model  # the output head is a matmul, the embedding a lookup
+  matmul_params -= (2 * cfg.n_layers + 1) * cfg.d_model  # RMSNorm scales
   attention = 2 * 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * (length / 2)
   return 3 * rows * length * (2 * matmul_params + attention)
 
@@ -245,6 +283,7 @@ def main(argv=None):
     try:
       results[name] = dict(PARTS[name](model, args), part_s=round(time.perf_counter() - t0, 1))
     except Exception as e:  # noqa: BLE001  (one part's failure must not lose the others' figures)
+      traceback.print_exc()
       results[name] = dict(error=f"{type(e).__name__}: {e}")
     print(json.dumps({name: results[name]}), flush=True)
   if os.environ.get("OUT"):

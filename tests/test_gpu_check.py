@@ -1,0 +1,49 @@
+"""benchmarks/gpu_check.py, the script an accelerator lease runs once: its --smoke run on this
+machine's CPU produces every part's figures, and its byte and FLOP counts are the model's."""
+import json
+import os
+import subprocess
+import sys
+
+from support import ROOT
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+
+
+def test_smoke_run_reports_every_part_with_the_models_counts(tmp_path):
+  env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=ROOT, XLA_FLAGS="")
+  subprocess.run([sys.executable, SCRIPT, "--smoke"], env=env, capture_output=True, text=True, check=True)
+  got = json.loads((tmp_path / "gpu_check.json").read_text())
+  decode, train, sync = got["decode"], got["train"], got["sync"]
+  assert not any("error" in part for part in (decode, train, sync))
+  # SMOKE: vocab 1024, d_model 256, 2 layers of 4 x 64 query and 2 x 64 KV heads, MLP 512, fp32
+  layer = 256 * (4 * 64 * 2 + 2 * 64 * 2) + 3 * 256 * 512 + 2 * 256  # attention, MLP, two norms
+  params = 2 * 1024 * 256 + 2 * layer + 256
+  assert decode["params"] == params and sync["bytes"] == 4 * params
+  # a decode step reads every weight but the embedding table, of which only its 8 rows' entries
+  assert decode["weight_bytes_read"] == 4 * (params - 1024 * 256 + 8 * 256)
+  # prompt 16, 32 new tokens in hand-backs of 16: the second hand-back's steps read 16 + 32 columns
+  assert decode["columns_attended"] == 48.0
+  kv = decode["kv_cache_bytes"]
+  assert decode["bytes_per_step"] == decode["weight_bytes_read"] + kv * 48 // decode_length(kv)
+  for figure in (decode["decode_tokens_per_s"], train["train_tokens_per_s"], sync["device_put"]["gb_per_s"],
+                 sync["orbax"]["gb_per_s"]):
+    assert figure > 0
+
+
+def test_step_flops_count_every_matmul_weight_six_times_a_token_and_causal_attention():
+  sys.path.insert(0, os.path.dirname(SCRIPT))
+  import gpu_check
+
+  from jaxrl_hex.models.config import model_config
+  cfg = model_config(**gpu_check.SMOKE)
+  # per layer q, k, v, o (4 x 64 query, 2 x 64 KV heads over d_model 256) and the MLP (256 <-> 512)
+  matmul = 2 * (256 * (4 * 64 * 2 + 2 * 64 * 2) + 3 * 256 * 512) + 256 * 1024  # + the output head
+  # 2 x 64 tokens; attention: QK^T and PV, 2 FLOPs a product, 2 layers x 4 heads x 64, 32 keys on average
+  tokens, attention = 2 * 64, 2 * 2 * 2 * 4 * 64 * 32
+  assert gpu_check.step_flops(cfg, 2, 64) == 3 * tokens * (2 * matmul + attention)
+
+
+def decode_length(kv_bytes: int) -> int:
+  """The engine's ring length from its cache bytes: 2 layers x (K + V) x 8 slots x 2 x 64 x fp32."""
+  return kv_bytes // (2 * 2 * 8 * 2 * 64 * 4)
