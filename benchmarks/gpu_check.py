@@ -10,10 +10,11 @@
   sync    weight sync of the same params: device_put onto a second buffer (DevicePutSync) against
           the copy rate, and Orbax save + restore (when orbax is installed) against the disk's
           write + fsync + read rate
+  init    (not in all) seconds to compile Policy.init listed at 2 and 6 layers and stacked at full depth
 
 One JSON object on stdout per part and all of them in $OUT/gpu_check.json when OUT is set.
 
-  PYTHONPATH=$PWD python3 benchmarks/gpu_check.py [--part decode|train|sync|all] [--smoke]
+  PYTHONPATH=$PWD python3 benchmarks/gpu_check.py [--part decode|train|sync|init|all] [--smoke]
 
 --smoke runs a tiny model on any device (CPU here) to check the script itself.
 """
@@ -250,7 +251,22 @@ def part_sync(model, args) -> dict:
   return out
 
 
-PARTS = {"decode": part_decode, "train": part_train, "sync": part_sync}
+def part_init(model, args) -> dict:
+  """Seconds to compile Policy.init (not run: --part all draws params on the host) at two depths of
+  listed layers and at full depth stacked (scan_layers), where one draw covers every layer."""
+  from jaxrl_hex.models.config import model_config
+  from jaxrl_hex.models.policy import Policy
+  out = {}
+  for layers, stacked in ((2, False), (6, False), (model["n_layers"], True)):
+    policy = Policy.build(model_config(**dict(model, n_layers=layers, scan_layers=stacked)))
+    t0 = time.perf_counter()
+    jax.jit(lambda p=policy: p._fresh(0)).lower().compile()
+    out[f"{layers}_{'stacked' if stacked else 'listed'}_compile_s"] = round(time.perf_counter() - t0, 2)
+  return out
+
+
+PARTS = {"decode": part_decode, "train": part_train, "sync": part_sync, "init": part_init}
+ALL = ("decode", "train", "sync")
 
 
 def main(argv=None):
@@ -273,12 +289,12 @@ def main(argv=None):
   if args.smoke:
     args.new, args.chunk, args.slots, args.prompt = 32, 16, 8, 16
     args.rows, args.length, args.train_steps, args.matmul_n, args.copy_bytes = 2, 64, 2, 256, 64 << 20
-  elif devices[0].platform != "gpu":
+  elif devices[0].platform != "gpu" and args.part != "init":  # init's compile times mean something anywhere
     sys.exit("gpu_check: no GPU visible to JAX (jax.devices() above); install jax with its CUDA plugin "
              "(the H200 image has jax + jax-cuda13-plugin) and rerun, or pass --smoke")
   model = SMOKE if args.smoke else MODEL
   results = dict(device=str(devices[0].device_kind), jax=jax.__version__)
-  for name in PARTS if args.part == "all" else (args.part,):
+  for name in ALL if args.part == "all" else (args.part,):
     t0 = time.perf_counter()
     try:
       results[name] = dict(PARTS[name](model, args), part_s=round(time.perf_counter() - t0, 1))
