@@ -19,6 +19,8 @@ One JSON object on stdout per part and all of them in $OUT/gpu_check.json when O
 --smoke runs a tiny model on any device (CPU here) to check the script itself.
 """
 import argparse
+import collections
+import gzip
 import json
 import os
 import sys
@@ -154,6 +156,7 @@ def part_decode(model, args) -> dict:
   chain = matmul_limit(policy, pool, params, args.slots, args.chunk, attend=int(round(span)))
   chain()
   chain_s = min(timed_call(chain) for _ in range(3)) / args.chunk
+  where = profile(lambda: run(3)) if args.profile else None
   return dict(params=param_count(cfg), slots=args.slots, prompt=args.prompt, new_tokens=args.new,
               compile_and_first_run_s=round(compile_s, 2), decode_step_ms=round(step_s * 1e3, 3),
               decode_tokens_per_s=round(args.slots / step_s, 1), weight_bytes_read=weight_bytes,
@@ -162,7 +165,55 @@ def part_decode(model, args) -> dict:
               roofline_share=round(bytes_per_step / step_s / bandwidth,
                                    3), matmul_chain_step_ms=round(chain_s * 1e3, 3),
               chain_roofline_share=round(bytes_per_step / chain_s / bandwidth,
-                                         3), ours_over_chain=round(chain_s / step_s, 3))
+                                         3), ours_over_chain=round(chain_s / step_s, 3), profile=where)
+
+
+CPU_BOOKKEEPING = ("ThunkExecutor", "end: ")  # XLA:CPU's events around and after its ops
+MATMUL_KERNELS = ("gemm", "dot", "cublas", "cutlass", "matmul", "ynn_fusion", "wgmma")
+
+
+def profile(fn, top=12) -> dict:
+  """fn() once under jax.profiler -> where the device's time went: the kernels (XLA:GPU, one
+  event per kernel on the device's streams; on a CPU the XLA threads' ops) by total time, their
+  share of the device's busy time, the share of kernels whose names say matmul, and busy time
+  over the traced wall time (what is left is the device waiting on the host)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      fn()
+      wall = time.perf_counter() - t0
+    path = next(os.path.join(d, f) for d, _, fs in os.walk(tmp) for f in fs if f.endswith(".trace.json.gz"))
+    with gzip.open(path) as f:
+      events = json.load(f)["traceEvents"]
+  named = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") == kind}
+  devices = {pid for (pid, _), name in named("process_name").items() if name.startswith("/device:")}
+  threads = named("thread_name")
+  on_device = (lambda e: e["pid"] in devices) if devices else (lambda e: threads.get((e["pid"], e["tid"])) != "python")
+  kernels = collections.defaultdict(lambda: [0, 0.0])  # name -> [count, microseconds]
+  ops = [e for e in events if e.get("ph") == "X" and on_device(e) and not e["name"].startswith(CPU_BOOKKEEPING)]
+  for e in _leaves(ops):
+    kernels[e["name"]][0] += 1
+    kernels[e["name"]][1] += e.get("dur", 0)
+  busy = sum(us for _, us in kernels.values()) or 1.0
+  matmul = sum(us for name, (_, us) in kernels.items() if any(k in name.lower() for k in MATMUL_KERNELS))
+  ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+  return dict(wall_ms=round(wall * 1e3, 2), busy_ms=round(busy / 1e3, 2), busy_over_wall=round(busy / 1e6 / wall, 3),
+              matmul_share=round(matmul / busy, 3),
+              top=[[name, count, round(us / 1e3, 3), round(us / busy, 3)] for name, (count, us) in ranked])
+
+
+def _leaves(events) -> list:
+  """The events that enclose no other event of their thread (XLA:CPU nests an executable's ops in
+  its run; a GPU stream's kernels do not nest), so their times add up without counting twice."""
+  by_thread, leaves = collections.defaultdict(list), []
+  for e in events:
+    by_thread[e["pid"], e["tid"]].append(e)
+  for thread in by_thread.values():
+    thread.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+    for e, following in zip(thread, thread[1:] + [None]):
+      if following is None or following["ts"] >= e["ts"] + e.get("dur", 0):
+        leaves.append(e)
+  return leaves
 
 
 def timed_call(fn) -> float:
@@ -211,13 +262,15 @@ def part_train(model, args) -> dict:
     times.append(time.perf_counter() - t0)
   step_s = float(np.median(times))
   flops = step_flops(cfg, n, width)
+  where = profile(lambda: jax.block_until_ready(trainer.step(batch))) if args.profile else None
   peak, measured = peak_flops(jax.devices()[0]), matmul_flops(args.matmul_n)
   return dict(rows=n, length=width, remat=args.remat, first_step_s=round(first, 2), step_s=round(step_s, 4),
               train_tokens_per_s=round(n * width / step_s, 1), model_tflop_per_step=round(flops / 1e12, 3),
               achieved_tflops=round(flops / step_s / 1e12,
                                     2), peak_tflops=None if peak is None else round(peak / 1e12, 1),
               mfu=None if peak is None else round(flops / step_s / peak, 3),
-              matmul_tflops_measured=round(measured / 1e12, 2), share_of_matmul=round(flops / step_s / measured, 3))
+              matmul_tflops_measured=round(measured / 1e12, 2), share_of_matmul=round(flops / step_s / measured,
+                                                                                      3), profile=where)
 
 
 def part_sync(model, args) -> dict:
@@ -282,6 +335,8 @@ def main(argv=None):
   ap.add_argument("--remat", default="none", choices=("none", "full", "dots"))
   ap.add_argument("--train-steps", type=int, default=5)
   ap.add_argument("--matmul-n", type=int, default=8192)
+  ap.add_argument("--no-profile", dest="profile", action="store_false",
+                  help="skip the profiled run of decode and train (profile(): where the device's time went)")
   ap.add_argument("--copy-bytes", type=int, default=2 << 30)
   args = ap.parse_args(argv)
   devices = jax.devices()

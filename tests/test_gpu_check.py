@@ -26,6 +26,9 @@ def test_smoke_run_reports_every_part_with_the_models_counts(tmp_path):
   assert decode["columns_attended"] == 48.0
   kv = decode["kv_cache_bytes"]
   assert decode["bytes_per_step"] == decode["weight_bytes_read"] + kv * 48 // decode_length(kv)
+  for where in (decode["profile"], train["profile"]):  # XLA:CPU's ops here, a GPU's kernels there
+    assert where["top"] and 0 < where["busy_ms"] and 0 <= where["matmul_share"] <= 1
+    assert sum(share for _, _, _, share in where["top"]) <= 1.001
   for figure in (decode["decode_tokens_per_s"], train["train_tokens_per_s"], sync["device_put"]["gb_per_s"],
                  sync["orbax"]["gb_per_s"]):
     assert figure > 0
@@ -47,3 +50,18 @@ def test_step_flops_count_every_matmul_weight_six_times_a_token_and_causal_atten
 def decode_length(kv_bytes: int) -> int:
   """The engine's ring length from its cache bytes: 2 layers x (K + V) x 8 slots x 2 x 64 x fp32."""
   return kv_bytes // (2 * 2 * 8 * 2 * 64 * 4)
+
+
+def test_profile_counts_only_the_innermost_events_of_each_thread():
+  sys.path.insert(0, os.path.dirname(SCRIPT))
+  import gpu_check
+  event = lambda name, tid, ts, dur: dict(name=name, pid=1, tid=tid, ts=ts, dur=dur)
+  events = [
+      event("while", 1, 0, 100),
+      event("dot", 1, 10, 30),
+      event("add", 1, 40, 20),
+      event("copy", 1, 60, 5),
+      event("kernel", 2, 0, 100),
+      event("after", 1, 100, 10)
+  ]
+  assert [e["name"] for e in gpu_check._leaves(events)] == ["dot", "add", "copy", "after", "kernel"]
