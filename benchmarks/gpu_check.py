@@ -192,8 +192,9 @@ def profile(fn, top=12) -> dict:
   kernels = collections.defaultdict(lambda: [0, 0.0])  # name -> [count, microseconds]
   ops = [e for e in events if e.get("ph") == "X" and on_device(e) and not e["name"].startswith(CPU_BOOKKEEPING)]
   for e in _leaves(ops):
-    kernels[e["name"]][0] += 1
-    kernels[e["name"]][1] += e.get("dur", 0)
+    name = "/".join(filter(None, (e.get("args", {}).get("hlo_module"), e["name"])))  # program/op where known
+    kernels[name][0] += 1
+    kernels[name][1] += e.get("dur", 0)
   busy = sum(us for _, us in kernels.values()) or 1.0
   matmul = sum(us for name, (_, us) in kernels.items() if any(k in name.lower() for k in MATMUL_KERNELS))
   ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
