@@ -185,13 +185,8 @@ def profile(fn, top=12) -> dict:
     path = next(os.path.join(d, f) for d, _, fs in os.walk(tmp) for f in fs if f.endswith(".trace.json.gz"))
     with gzip.open(path) as f:
       events = json.load(f)["traceEvents"]
-  named = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") == kind}
-  devices = {pid for (pid, _), name in named("process_name").items() if name.startswith("/device:")}
-  threads = named("thread_name")
-  on_device = (lambda e: e["pid"] in devices) if devices else (lambda e: threads.get((e["pid"], e["tid"])) != "python")
   kernels = collections.defaultdict(lambda: [0, 0.0])  # name -> [count, microseconds]
-  ops = [e for e in events if e.get("ph") == "X" and on_device(e) and not e["name"].startswith(CPU_BOOKKEEPING)]
-  for e in _leaves(ops):
+  for e in _leaves(_device_ops(events)):
     name = "/".join(filter(None, (e.get("args", {}).get("hlo_module"), e["name"])))  # program/op where known
     kernels[name][0] += 1
     kernels[name][1] += e.get("dur", 0)
@@ -201,6 +196,23 @@ def profile(fn, top=12) -> dict:
   return dict(wall_ms=round(wall * 1e3, 2), busy_ms=round(busy / 1e3, 2), busy_over_wall=round(busy / 1e6 / wall, 3),
               matmul_share=round(matmul / busy, 3),
               top=[[name, count, round(us / 1e3, 3), round(us / busy, 3)] for name, (count, us) in ranked])
+
+
+def _device_ops(events) -> list:
+  """A trace's complete events of the device's work: a GPU's stream lines (its process also has
+  "XLA Modules" and "XLA Ops" lines spanning the same kernels), else the device's process, else (a
+  CPU) every thread but Python's, less XLA:CPU's bookkeeping events."""
+  named = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") == kind}
+  devices = {pid for (pid, _), name in named("process_name").items() if name.startswith("/device:")}
+  threads = named("thread_name")
+  streams = {key for key, name in threads.items() if key[0] in devices and name.startswith("Stream")}
+  if streams:
+    ours = lambda e: (e["pid"], e["tid"]) in streams
+  elif devices:
+    ours = lambda e: e["pid"] in devices
+  else:
+    ours = lambda e: threads.get((e["pid"], e["tid"])) != "python" and not e["name"].startswith(CPU_BOOKKEEPING)
+  return [e for e in events if e.get("ph") == "X" and ours(e)]
 
 
 def _leaves(events) -> list:

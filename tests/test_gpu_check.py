@@ -65,3 +65,21 @@ def test_profile_counts_only_the_innermost_events_of_each_thread():
       event("after", 1, 100, 10)
   ]
   assert [e["name"] for e in gpu_check._leaves(events)] == ["dot", "add", "copy", "after", "kernel"]
+
+
+def test_profile_takes_a_gpus_stream_kernels_not_its_op_lines_or_the_host():
+  sys.path.insert(0, os.path.dirname(SCRIPT))
+  import gpu_check
+  meta = lambda kind, pid, name, tid=None: dict(ph="M", name=kind, pid=pid, tid=tid, args=dict(name=name))
+  run = lambda name, pid, tid: dict(ph="X", name=name, pid=pid, tid=tid, ts=0, dur=5)
+  events = [
+      meta("process_name", 1, "/host:CPU"),
+      meta("process_name", 2, "/device:GPU:0"),
+      meta("thread_name", 1, "python", 7),
+      meta("thread_name", 2, "Stream #13(Compute)", 13),
+      meta("thread_name", 2, "XLA Ops", 20),
+      run("PjitFunction", 1, 7),
+      run("gemm_fusion", 2, 13),
+      run("dot.3", 2, 20)
+  ]
+  assert [e["name"] for e in gpu_check._device_ops(events)] == ["gemm_fusion"]
