@@ -8,6 +8,8 @@ import sys
 from support import ROOT
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+import gpu_check  # noqa: E402  (benchmarks/ is no package)
 
 
 def test_smoke_run_reports_every_part_with_the_models_counts(tmp_path):
@@ -35,9 +37,6 @@ def test_smoke_run_reports_every_part_with_the_models_counts(tmp_path):
 
 
 def test_step_flops_count_every_matmul_weight_six_times_a_token_and_causal_attention():
-  sys.path.insert(0, os.path.dirname(SCRIPT))
-  import gpu_check
-
   from jaxrl_hex.models.config import model_config
   cfg = model_config(**gpu_check.SMOKE)
   # per layer q, k, v, o (4 x 64 query, 2 x 64 KV heads over d_model 256) and the MLP (256 <-> 512)
@@ -53,8 +52,6 @@ def decode_length(kv_bytes: int) -> int:
 
 
 def test_profile_counts_only_the_innermost_events_of_each_thread():
-  sys.path.insert(0, os.path.dirname(SCRIPT))
-  import gpu_check
   event = lambda name, tid, ts, dur: dict(name=name, pid=1, tid=tid, ts=ts, dur=dur)
   events = [
       event("while", 1, 0, 100),
@@ -68,8 +65,6 @@ def test_profile_counts_only_the_innermost_events_of_each_thread():
 
 
 def test_profile_takes_a_gpus_stream_kernels_not_its_op_lines_or_the_host():
-  sys.path.insert(0, os.path.dirname(SCRIPT))
-  import gpu_check
   meta = lambda kind, pid, name, tid=None: dict(ph="M", name=kind, pid=pid, tid=tid, args=dict(name=name))
   run = lambda name, pid, tid: dict(ph="X", name=name, pid=pid, tid=tid, ts=0, dur=5)
   events = [
