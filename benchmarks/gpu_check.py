@@ -10,7 +10,7 @@
   sync    weight sync of the same params: device_put onto a second buffer (DevicePutSync) against
           the copy rate, and Orbax save + restore (when orbax is installed) against the disk's
           write + fsync + read rate
-  init    (not in all) seconds to compile Policy.init listed at 2 and 6 layers and stacked at full depth
+  init    (not in all) seconds to compile Policy.init listed at 2, 6 and all layers and stacked
 
 One JSON object on stdout per part and all of them in $OUT/gpu_check.json when OUT is set.
 
@@ -318,12 +318,13 @@ def part_sync(model, args) -> dict:
 
 
 def part_init(model, args) -> dict:
-  """Seconds to compile Policy.init (not run: --part all draws params on the host) at two depths of
-  listed layers and at full depth stacked (scan_layers), where one draw covers every layer."""
+  """Seconds to compile Policy.init (not run: --part all draws params on the host) at three depths of
+  listed layers and at full depth stacked (scan_layers), where one draw covers every layer (listed at
+  full depth takes ~2 min on an H200)."""
   from jaxrl_hex.models.config import model_config
   from jaxrl_hex.models.policy import Policy
   out = {}
-  for layers, stacked in ((2, False), (6, False), (model["n_layers"], True)):
+  for layers, stacked in ((2, False), (6, False), (model["n_layers"], False), (model["n_layers"], True)):
     policy = Policy.build(model_config(**dict(model, n_layers=layers, scan_layers=stacked)))
     t0 = time.perf_counter()
     jax.jit(lambda p=policy: p._fresh(0)).lower().compile()
