@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -71,9 +72,24 @@ def _timed(fn):
 # (method, its baseline, the copies of the model's bytes it makes at most): device_put assembles
 # each distinct region of the rollout layout once (replicas alias it on CPU); direct copies into
 # the object store, then out of it into the rollout layout the regions not lying whole in it (here
-# the leaves split over fsdp on a later axis, 43 of the 128 MB: 1.34 copies); orbax writes, fsyncs
-# and reads once.
-METHODS = (("device_put", "memcpy", 1), ("direct", "memcpy", 2), ("orbax", "disk", 1))
+# the leaves split over fsdp on a later axis, 43 of the 128 MB: 1.34 copies), or within one host
+# (sync.transport=shared_memory) into the rollout layout's regions in shared memory, used in place;
+# orbax writes, fsyncs and reads once.
+METHODS = (("device_put", "memcpy", 1), ("direct", "memcpy", 2), ("direct shared memory", "memcpy", 1), ("orbax",
+                                                                                                         "disk", 1))
+
+
+def _sides(method, policy, rollout_sh, rollout_spec, directory):
+  """-> (publisher, receiver) of `method` between the benchmark's layouts."""
+  from jaxrl_hex.sync import make_sync
+  from jaxrl_hex.sync.direct import rollout_layouts
+  if method == "device_put":
+    publisher = make_sync(method, policy.shapes(), rollout_sh)
+    return publisher, publisher
+  layouts = rollout_layouts([rollout_spec], policy.logical_axes(), policy.shapes()) if method.endswith("memory") else ()
+  kind = method.split()[0]
+  return (make_sync(kind, policy.shapes(), None, directory,
+                    layouts), make_sync(kind, policy.shapes(), rollout_sh, directory))
 
 
 def bench_sync(rounds=5):
@@ -86,7 +102,6 @@ def bench_sync(rounds=5):
 
   from jaxrl_hex.models.config import model_config
   from jaxrl_hex.models.policy import Policy, param_bytes
-  from jaxrl_hex.sync import make_sync
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
   pools = meshes.build_pools(meshes.load_mesh_file(os.path.join(ROOT, "meshes", "cpu-8.yaml")))
   best = {}
@@ -101,10 +116,8 @@ def bench_sync(rounds=5):
       rollout_sh = pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes())
       params = policy.init(0, pools["train"].shardings_for(policy.logical_axes(), policy.shapes()))
       for method, _, _ in METHODS:
-        directory = os.path.join(tmp, layout.replace(" ", "_"), method)
-        publisher = make_sync(method, policy.shapes(), rollout_sh if method == "device_put" else None, directory)
-        receiver = publisher if method == "device_put" else make_sync(method, policy.shapes(), rollout_sh, directory)
-        sides[layout, method] = params, publisher, receiver
+        directory = os.path.join(tmp, layout.replace(" ", "_"), method.replace(" ", "_"))
+        sides[layout, method] = (params, *_sides(method, policy, rollout_sh, pools["rollout"].spec, directory))
     nbytes = param_bytes(params)  # the same in both layouts
     held = sum(s.data.nbytes for x in jax.tree.leaves(jax.device_put(params, rollout_sh)) for s in x.addressable_shards)
     for r in range(rounds + 1):  # round 0 compiles and warms caches
@@ -115,11 +128,17 @@ def bench_sync(rounds=5):
         start, cpu = time.perf_counter(), time.process_time()
         handle = publisher.publish(r, params)
         published = time.perf_counter()
+        # the trainer goes on to its next step, which first settles the copies still running
+        trainer = threading.Thread(target=publisher.settle)
+        trainer.start()
         jax.block_until_ready(receiver.receive(handle)[1])
+        trainer.join()
         end = time.perf_counter()
         if r:
           keep(key, (end - start, time.process_time() - cpu, published - start, end - published))
   ray.shutdown()
+  for _, publisher, _ in sides.values():
+    publisher.close()
   rows = []
   for (layout, method), (params, _, _) in sides.items():
     baseline, copies = next((b, c) for m, b, c in METHODS if m == method)
@@ -191,6 +210,7 @@ def readme_text(sync, wait):
   names = {
       "device_put": "device_put (one runtime)",
       "direct": "direct (Ray object store)",
+      "direct shared memory": "direct (shared memory, one host)",
       "orbax": "orbax (save + restore onto the rollout layout)"
   }
   for r in sync:

@@ -117,9 +117,11 @@ def base_config() -> ml_collections.ConfigDict:
   # directory "" = WORKDIR/sync; verify_every: check the rollout side's weights against the trainer's
   # fingerprint (sync/fingerprint.py) on every N-th version (0: never); probe_every: on every N-th version
   # (and at the start) the engines and the trainer score one fixed sequence, which must agree within
-  # probe_tolerance nats per token (sync/probe.py; 0: never)
+  # probe_tolerance nats per token (sync/probe.py; 0: never). transport (method direct): object_store
+  # (Ray's, any hosts), shared_memory (one train process on its rollout processes' host: each version
+  # written once into their layout, sync/shared_memory.py), auto (shared_memory where it can run)
   c.sync = ml_collections.ConfigDict(
-      dict(method="device_put", directory="", verify_every=20, probe_every=50, probe_tolerance=0.02))
+      dict(method="device_put", transport="auto", directory="", verify_every=20, probe_every=50, probe_tolerance=0.02))
 
   c.cluster = ml_collections.ConfigDict(
       dict(

@@ -21,7 +21,7 @@ from jaxrl_hex.models.families import EXECUTION_FIELDS, PRECISION_FIELDS
 from jaxrl_hex.models.hf import hf_model_config
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl.objectives import validate_algo
-from jaxrl_hex.sync import METHODS
+from jaxrl_hex.sync import METHODS, TRANSPORTS
 from jaxrl_hex.tasks import load_task
 
 # JAX's persistent compilation cache, on in every runtime: the train pool's preflight compiles the
@@ -80,6 +80,8 @@ def validate(cfg, mesh_file=None, tokenizer=None, policy=None):
     raise ConfigError(str(e)) from None
   if cfg.sync.method not in METHODS:
     raise ConfigError(f"sync.method={cfg.sync.method!r}; use one of {METHODS}")
+  if cfg.sync.transport not in TRANSPORTS:
+    raise ConfigError(f"sync.transport={cfg.sync.transport!r}; use one of {TRANSPORTS}")
   if mesh_file is None:
     return
   for role in ("train", "rollout"):

@@ -82,6 +82,7 @@ CASES = [
     ("unknown backend", "train --config.cluster.backend=slurm", "cluster.backend='slurm'"),
     ("unknown sync", "train --config.sync.method=rsync", "sync.method='rsync'"),
     ("direct sync, local", "train --config.sync.method=direct", "sync.method=direct"),
+    ("unknown sync transport", "train --config.sync.transport=nfs", "sync.transport='nfs'"),
     # mesh files (meshes.load_mesh_file)
     ("mesh missing", "train --config.mesh_file={tmp}/none.yaml", "mesh_file: '{tmp}/none.yaml' does not exist"),
     ("mesh a directory", "train --config.mesh_file={tmp}", "mesh_file: '{tmp}' is a directory"),

@@ -36,7 +36,7 @@ def test_freed_buffers_are_reused_without_page_faults():
   assert kept["kept"] and not system["kept"]
   # malloc as it is: each call maps the temporary afresh and faults in every page of it
   assert min(system["faults"][1:]) >= temp_pages
-  # kept: later calls reuse the temporary's pages. Not every one: this VM's memory manager takes
-  # idle pages back from a process now and then (several calls in some runs, more under load),
-  # whatever malloc does; with malloc as it is, no call can.
-  assert min(kept["faults"][2:]) < temp_pages // 20, kept
+  # kept: a later call reuses the temporary's pages. Not every one: this VM's memory manager takes
+  # idle pages back from a process now and then (all but one call in a loaded CI run), whatever
+  # malloc does; with malloc as it is, no call can.
+  assert min(kept["faults"][1:]) < temp_pages // 20, kept

@@ -19,6 +19,7 @@ from jaxrl_hex.rollout.engine import Engine, engine_options
 from jaxrl_hex.rollout.streams import make_stream
 from jaxrl_hex.sync import make_sync
 from jaxrl_hex.sync.adapters import AdapterWeights
+from jaxrl_hex.sync.direct import rollout_layouts
 from jaxrl_hex.sync.fingerprint import check, fingerprint
 from jaxrl_hex.tasks import is_episodic, prompt_lengths
 
@@ -40,9 +41,16 @@ def make_syncs(rt, workdir, receive: bool):
   policy, cfg = rt.policy, rt.cfg
   shapes = policy.split(policy.shapes())
   targets = policy.split(rt.shardings("rollout")) if receive else (None, None)
+  layouts = ([], [])  # direct within one host: the rollout layouts the train side writes into
+  if not receive and cfg.sync.method == "direct" and cfg.sync.transport == "shared_memory":
+    for axes, specs in rollout_layouts(rt.mesh_file.pools["rollout"].replica_specs(), policy.logical_axes(),
+                                       policy.shapes()):
+      for kept, part in zip(layouts, policy.split(specs)):
+        kept.append((axes, part))
   directory = sync_directory(cfg, workdir)
-  sync = make_sync(cfg.sync.method, shapes[0], targets[0], directory)
-  base = make_sync(cfg.sync.method, shapes[1], targets[1], os.path.join(directory, "base")) if policy.lora else None
+  sync = make_sync(cfg.sync.method, shapes[0], targets[0], directory, layouts[0])
+  base = make_sync(cfg.sync.method, shapes[1], targets[1], os.path.join(directory, "base"), layouts[1],
+                   slots=1) if policy.lora else None  # the base: published once, held for good
   return sync, base
 
 
@@ -78,7 +86,7 @@ class LocalTrainSide:
 
   def step(self, batch) -> dict:
     # the params are donated to this step: a publish's copy of them still running must end first
-    self._settle_seconds = self.sync.settle()
+    self._settle_seconds = self.sync.settle() + (self.base_sync.settle() if self.base_sync else 0.0)
     return self.trainer.step(batch)
 
   def publish(self):
@@ -119,6 +127,9 @@ class LocalTrainSide:
 
   def close(self):
     self.checkpointer.close()
+    for sync in (self.sync, self.base_sync):
+      if sync is not None:
+        sync.close()
 
 
 class LocalRolloutSide:

@@ -25,6 +25,8 @@ from jaxrl_hex.cluster.router import Router, prior_shares
 from jaxrl_hex.cluster.workers import RolloutWorker, TrainWorker, accelerator_kind
 from jaxrl_hex.data.rollouts import concat_rollouts, select_rows
 from jaxrl_hex.errors import RunStopped, UserError
+from jaxrl_hex.models.policy import param_bytes
+from jaxrl_hex.sync import shared_memory
 from jaxrl_hex.sync.direct import merge_manifests
 from jaxrl_hex.sync.orbax_sync import OrbaxSync
 
@@ -108,8 +110,12 @@ class RayTrainSide:
     import ray
 
     spec = rt.mesh_file.pools["train"]
+    if rt.cfg.sync.method == "direct":
+      with rt.cfg.unlocked():  # resolved before the workers get the config
+        rt.cfg.sync.transport = direct_transport(rt.cfg.sync.transport, rt.mesh_file, param_bytes(rt.policy.shapes()))
     cfg_json = rt.cfg.to_json_best_effort()
     self.method = rt.cfg.sync.method
+    self.sync = self.method + (f" ({rt.cfg.sync.transport})" if self.method == "direct" else "")
     self._base = None  # direct sync with LoRA: the base's Handle (sync/adapters.py)
     cls = _actor(TrainWorker, spec)
     self.workers = [cls.remote(cfg_json, workdir, resume, i, spec.processes) for i in range(spec.processes)]
@@ -185,7 +191,7 @@ class RayTrainSide:
     return self._all("fingerprint", always)[0]
 
   def describe(self) -> dict:
-    return {"role": "train", "backend": "ray", "mesh": self.mesh, "processes": self._all("describe")}
+    return {"role": "train", "backend": "ray", "mesh": self.mesh, "sync": self.sync, "processes": self._all("describe")}
 
   def stacks(self) -> dict:
     return worker_stacks(self._ray, {f"train process {i}": w for i, w in enumerate(self.workers)})
@@ -548,6 +554,24 @@ class RayRolloutSide:
     for t in self._threads:
       t.join(timeout=10)
     self._spans.close()
+
+
+def direct_transport(transport, mesh_file, model_bytes) -> str:
+  """sync.transport for direct sync: auto -> shared_memory where it can run (one train process, a
+  one-node cluster, room in /dev/shm for the versions kept), else object_store; shared_memory where
+  it cannot is refused."""
+  import ray
+  nodes = sum(1 for n in ray.nodes() if n["Alive"])
+  processes = mesh_file.pools["train"].processes
+  layouts = len({tuple(s.axes.items()) for s in mesh_file.pools["rollout"].replica_specs()})
+  need, room = shared_memory.SLOTS * layouts * model_bytes, shared_memory.room()
+  problem = ((f"the Ray cluster has {nodes} nodes (every process must share one host)" if nodes > 1 else "") or
+             (f"pools.train.processes is {processes} (one train process writes the versions)" if processes > 1 else "")
+             or (f"{shared_memory.DIRECTORY} has {room / 2**20:.0f} MiB free of the {need / 2**20:.0f} MiB that "
+                 f"{shared_memory.SLOTS} versions on {layouts} rollout layout(s) take" if room < need else ""))
+  if transport == "shared_memory" and problem:
+    raise UserError(f"sync.transport=shared_memory: {problem}; use --config.sync.transport=object_store")
+  return transport if transport != "auto" else "object_store" if problem else "shared_memory"
 
 
 def ray_sides(rt, workdir, resume):

@@ -100,8 +100,8 @@ class TrainWorker:
     if side.rt.cfg.sync.method == "direct":
       base = None
       if side.base_sync is not None and not self._base_published:
-        base, self._base_published = side.base_sync.publish_local(side.trainer.frozen), True
-      return self.sync.publish_local(side.trainer.params), self.sync.last_seconds, side.fingerprint(), base
+        base, self._base_published = side.base_sync.publish_local(0, side.trainer.frozen), True
+      return self.sync.publish_local(*side.trainer.weights()), self.sync.last_seconds, side.fingerprint(), base
     handle = side.publish()
     return handle, self.sync.last_seconds, handle.fingerprint, None
 

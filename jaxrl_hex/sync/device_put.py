@@ -77,6 +77,9 @@ class DevicePutSync:
     self._help()
     return time.perf_counter() - start
 
+  def close(self):
+    self._copier.shutdown(wait=True)
+
   def receive(self, handle: Handle):
     built = self._help()
     if built is not None:

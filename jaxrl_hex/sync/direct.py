@@ -13,7 +13,11 @@ A receiving layout usually lacks the train layout's fsdp axis, so its region of 
 shards that differ along the leaf's first split axis. publish lays them out as that region lies
 in memory: shards split along the first axis back to back; a stacked-layers leaf [L, ...] split
 along a later axis as per-layer slices, each layer's slices of the shards in turn (_in_order).
+
+On one host (sync.transport=shared_memory) publish instead writes each version straight into the
+rollout layouts' regions in shared memory, which the rollout processes alias (sync/shared_memory.py).
 """
+import concurrent.futures
 import functools
 import itertools
 import math
@@ -22,11 +26,14 @@ import time
 import jax
 import numpy as np
 
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.sync import shared_memory
 from jaxrl_hex.sync.handle import Handle, target_structs
 from jaxrl_hex.sync.regions import RegionPlan, bounds
 
 CHUNK_BYTES = 64 << 20  # a receiver fetches whole chunks: bounds what it holds beyond its own shards
 SLICE_BYTES = 64 << 10  # below this a shard is not cut into slices (each is an object-store entry)
+SHARED = "<shared memory>"  # a manifest's entry for a version written to shared memory: {layout key: segment}
 
 
 def _key(path) -> str:
@@ -64,21 +71,61 @@ def merge_manifests(version, pieces) -> Handle:
   manifest = {}
   for piece in pieces:
     for key, shards in piece.items():
-      manifest.setdefault(key, []).extend(shards)
+      if key == SHARED:  # written by the one train process
+        manifest[key] = shards
+      else:
+        manifest.setdefault(key, []).extend(shards)
   return Handle(version, manifest)
+
+
+def rollout_layouts(pool_specs, logical_axes, shapes) -> list:
+  """The distinct layouts of rollout pool specs (meshes.PoolSpec: no devices needed) as
+  DirectSync's `layouts`: [(mesh axis sizes, tree of PartitionSpecs)]."""
+  out = []
+  for spec in pool_specs:
+    specs = jax.tree.map(lambda axes, s, spec=spec: spec.partition_spec(axes, s.shape), logical_axes, shapes,
+                         is_leaf=lambda x: isinstance(x, tuple))
+    if (dict(spec.axes), specs) not in out:
+      out.append((dict(spec.axes), specs))
+  return out
+
+
+def _tile_table(shapes, specs, axis_sizes) -> list:
+  """Per leaf of `shapes`, the bounds of its tiles in a layout of PartitionSpecs `specs` over a mesh."""
+  return [shared_memory.tiles(s.shape, p, axis_sizes) for s, p in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs))]
 
 
 class DirectSync:
   cross_process = True
 
-  def __init__(self, shapes, target_shardings=None):
+  def __init__(self, shapes, target_shardings=None, layouts=(), slots=shared_memory.SLOTS, timeout_s=300.0):
+    """layouts: given on a train side sharing its host with the rollout processes
+    (sync.transport=shared_memory): the rollout layouts as [(mesh axis sizes, tree of
+    PartitionSpecs)]; each version is then written into their regions in shared memory, `slots`
+    versions kept, a write waiting up to timeout_s for a slot's old version to be let go."""
     self._plan = None if target_shardings is None else RegionPlan(target_structs(shapes, target_shardings))
+    if self._plan is not None:  # the receiving layout's name, as the train side computes it
+      self._targets = jax.tree.leaves(self._plan.targets)
+      self._key = shared_memory.layout_key(
+          [shared_memory.tiles(t.shape, t.sharding.spec, dict(t.sharding.mesh.shape)) for t in self._targets])
+      self._segments = {}  # segment name -> Segment, opened on first use
+    self._layouts = {}  # layout key -> RegionPlan filling its tiles
+    for axis_sizes, specs in layouts:
+      table = _tile_table(shapes, specs, axis_sizes)
+      self._layouts.setdefault(shared_memory.layout_key(table), RegionPlan(shapes, regions=table))
+    self._slots, self._timeout_s = slots, timeout_s
+    self._writer = shared_memory.SlotWriter() if self._layouts else None
+    self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="direct-sync") if self._layouts else None
+    self._pending = None  # the last shared write's ([Filling], future of its end)
     self.last_seconds = 0.0
 
-  def publish_local(self, params) -> dict:
+  def publish_local(self, version, params) -> dict:
     """This process's manifest piece {leaf: [(bounds, (ref, i))]}: its shards packed into objects
     of up to CHUNK_BYTES (one ray.put per chunk, not per shard: a put costs ~0.5 ms whatever its
-    size); the caller merges pieces (merge_manifests)."""
+    size); the caller merges pieces (merge_manifests). With layouts, {SHARED: {layout key:
+    segment name}} instead: the version written into each layout's slot for it."""
+    if self._layouts:
+      return self._write_shared(version, params)
     import ray
     start = time.perf_counter()
     piece, chunk, waiting = {}, [], []  # waiting: (leaf's entry list, bounds) of each shard in chunk
@@ -112,16 +159,59 @@ class DirectSync:
     self.last_seconds = time.perf_counter() - start
     return piece
 
+  def _write_shared(self, version, params) -> dict:
+    """Claims each layout's slot for `version` and returns; the copies into it run on beside the
+    trainer (as device_put's do), the slot marked written when they end: a receiver waits for it."""
+    start = time.perf_counter()
+    self.settle()
+    leaves = jax.tree.leaves(params)
+    if not all(x.is_fully_addressable for x in leaves):
+      raise UserError("sync.transport=shared_memory: the params span several train processes; one process writes "
+                      "the shared versions: use --config.sync.transport=object_store")
+    owned = lambda i, _: [(bounds(s.index, leaves[i].shape), np.asarray(s.data)) for s in leaves[i].addressable_shards
+                          if s.replica_id == 0]
+    names, fills = {}, []
+    for key, plan in self._layouts.items():
+      segment = self._writer.segment(key, plan.placed, plan.nbytes, self._slots)
+      buffer = segment.claim(version, self._timeout_s)
+      if buffer is not None:
+        fills.append((segment, plan.start(owned, into=buffer)))
+      names[key] = segment.name
+    self._pending = fills, self._copier.submit(self._fill, version, fills)
+    self.last_seconds = time.perf_counter() - start
+    return {SHARED: names}
+
+  @staticmethod
+  def _fill(version, fills):
+    for segment, filling in fills:
+      filling.run()
+      segment.written(version)
+
   def settle(self) -> float:
-    return 0.0  # publish() returns once its copy is made: nothing of it runs on
+    """Waits for the last shared write's copies out of the params (before they are donated), making
+    copies too -> seconds waited. Through the object store publish() returns with its copy made."""
+    start = time.perf_counter()
+    if self._pending is not None:
+      fills, done = self._pending
+      for _, filling in fills:
+        filling.run()
+      done.result()
+    return time.perf_counter() - start
 
   def publish(self, version, params) -> Handle:
-    return merge_manifests(version, [self.publish_local(params)])
+    return merge_manifests(version, [self.publish_local(version, params)])
+
+  def close(self):
+    if self._writer is not None:
+      self._copier.shutdown(wait=True)
+      self._writer.close()
 
   def receive(self, handle: Handle):
     """Each distinct region of the rollout layout assembled once from the object store's zero-copy
     views of the chunks overlapping it, or aliased where it lies whole in them (sync/regions.py); a
     chunk is fetched on first use."""
+    if SHARED in handle.payload:
+      return self._receive_shared(handle)
     import ray
     start = time.perf_counter()
     chunks = {}  # ref -> its list of shards
@@ -137,3 +227,32 @@ class DirectSync:
     params = self._plan.build(sources_of, alias=True)  # the object store's buffers are immutable
     self.last_seconds = time.perf_counter() - start
     return handle.version, params
+
+  def _receive_shared(self, handle: Handle):
+    """The regions this process's devices hold, aliased where the trainer wrote them (every region
+    is one of the layout's tiles, so none is copied); the slot is held while they live."""
+    start = time.perf_counter()
+    names = handle.payload[SHARED]
+    if self._key not in names:
+      raise UserError(f"weight sync: version {handle.version} was written for rollout layouts {sorted(names)}, "
+                      f"not this process's ({self._key}); the train side computes the rollout layouts from the "
+                      "mesh file: start both from the same one")
+    name = names[self._key]
+    if name not in self._segments:  # a new writer (a restarted trainer): the old mapping goes with its arrays
+      self._segments = {name: shared_memory.Segment.open(name)}
+    segment = self._segments[name]
+    version, buffer = segment.hold(handle.version, self._timeout_s)
+    buffer.flags.writeable = False
+
+    def sources_of(i, _):
+      dtype = np.dtype(self._targets[i].dtype)
+      return [
+          (where,
+           buffer[at:at + math.prod(b - a
+                                    for a, b in where) * dtype.itemsize].view(dtype).reshape([b - a for a, b in where]))
+          for where, at in segment.placed[i]
+      ]
+
+    params = self._plan.build(sources_of, alias=True)
+    self.last_seconds = time.perf_counter() - start
+    return version, params

@@ -45,6 +45,9 @@ class OrbaxSync:
         shutil.rmtree(self._path(old), ignore_errors=True)
     return Handle(version, self._path(version))
 
+  def close(self):
+    self._ckpt.close()
+
   def settle(self) -> float:
     return 0.0  # publish() returns once its copy is made: nothing of it runs on
 

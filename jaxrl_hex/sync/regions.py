@@ -107,17 +107,22 @@ class RegionPlan:
   """Where each distinct region of a target tree (ShapeDtypeStructs carrying shardings) lies in an arena,
   and which parts of which source shards fill it."""
 
-  def __init__(self, targets):
+  def __init__(self, targets, regions=None):
+    """regions: per leaf, the bounds of the regions to fill (sync/shared_memory.py: a receiving
+    layout's tiles, on the train side); default: those the targets' addressable devices hold."""
     self.targets = targets
     self._leaves = jax.tree.leaves(targets)
     self._names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(targets)]
     self._wanted = []  # per leaf: [(region bounds, byte offset in the arena)]
     self._region_of = []  # per leaf: {device index key: region number}
     offset = 0
-    for target in self._leaves:
-      indices = target.sharding.addressable_devices_indices_map(target.shape).values()
-      wanted = list(dict.fromkeys(bounds(i, target.shape) for i in indices))
-      self._region_of.append({_index_key(i): wanted.index(bounds(i, target.shape)) for i in indices})
+    for n, target in enumerate(self._leaves):
+      if regions is None:
+        indices = target.sharding.addressable_devices_indices_map(target.shape).values()
+        wanted = list(dict.fromkeys(bounds(i, target.shape) for i in indices))
+        self._region_of.append({_index_key(i): wanted.index(bounds(i, target.shape)) for i in indices})
+      else:
+        wanted = regions[n]
       placed = []
       for want in wanted:
         placed.append((want, offset))
@@ -165,15 +170,21 @@ class RegionPlan:
     self._arenas = [arena] + self._arenas[:ARENAS - 1]  # one still aliased beyond those lives on by itself
     return arena
 
-  def start(self, sources_of, alias=False) -> "Filling":
+  @property
+  def placed(self) -> list:
+    """Per leaf, [(region bounds, byte offset)]: where each region lies in an arena."""
+    return self._wanted
+
+  def start(self, sources_of, alias=False, into=None) -> "Filling":
     """sources_of(leaf index, leaf name) -> [(bounds, array or a callable returning it, called only
     if it overlaps)] covering the leaf -> the fill of every leaf's regions, its copies still to run.
     alias: the sources are immutable and outlive what is built on them, so a region lying whole in
-    them is used in place. The regions hold their arena (no other fill takes it) until dropped."""
+    them is used in place. The regions hold their arena (no other fill takes it) until dropped.
+    into: a uint8 buffer of nbytes to fill instead of an arena of the plan's own."""
     with self._lock:
       sources = [sources_of(i, name) for i, name in enumerate(self._names)]
       plan = self._planned(tuple(tuple(src for src, _ in leaf) for leaf in sources))
-      arena = self._arena()
+      arena = self._arena() if into is None else into
       regions, copies = [], []
       for target, leaf, planned in zip(self._leaves, sources, plan):
         data = {}

@@ -15,7 +15,7 @@ from support import ROOT, SMALL, load_config
 
 from jaxrl_hex import cli
 from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide
-from jaxrl_hex.cluster.ray_backend import RayRolloutSide, RayTrainSide, connect
+from jaxrl_hex.cluster.ray_backend import RayRolloutSide, RayTrainSide, connect, direct_transport
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.metrics import read_jsonl
 from jaxrl_hex.rl.batch import rl_batch
@@ -69,6 +69,8 @@ def test_two_process_trainer_matches_one_process_and_sync_preserves_values(ray_s
     # train layout (2 processes, fsdp x tensor) -> rollout layout (1 process, data x tensor)
     handle = train.publish()
     assert handle.version == 1 and train.sync_seconds > 0
+    if method == "direct":  # auto: two train processes write through the object store
+      assert train.describe()["sync"] == "direct (object_store)"
     worker = rollout.workers[0]
     import ray
     assert ray.get(worker.receive.remote(handle)) == 1
@@ -109,6 +111,23 @@ def test_bad_cluster_input_fails_before_work(ray_session, warm_workdir, tmp_path
       base +
       [f"--workdir={tmp_path}/b", f"--config.mesh_file={RAY_MESH}", f"--config.sync.directory={blocker}/sync"]) == 2
   assert "sync.directory: cannot write" in capsys.readouterr().err
+  direct = ["--config.sync.method=direct", "--config.sync.transport=shared_memory", f"--config.mesh_file={RAY_MESH}"]
+  assert cli.main(base + [f"--workdir={tmp_path}/c"] + direct) == 2
+  assert ("sync.transport=shared_memory: pools.train.processes is 2 (one train process writes the versions); use "
+          "--config.sync.transport=object_store") in capsys.readouterr().err
+
+
+def test_direct_sync_goes_through_shared_memory_where_it_can(ray_session, monkeypatch):
+  from jaxrl_hex.meshes import load_mesh_file
+  from jaxrl_hex.sync import shared_memory
+  one_host, two_processes = load_mesh_file(MIXED_MESH), load_mesh_file(RAY_MESH)
+  assert direct_transport("auto", one_host, 1 << 20) == "shared_memory"
+  assert direct_transport("auto", two_processes, 1 << 20) == "object_store"
+  assert direct_transport("object_store", one_host, 1 << 20) == "object_store"
+  monkeypatch.setattr(shared_memory, "room", lambda: 100 << 20)  # two layouts x 4 versions of 16 MiB: 128 MiB
+  assert direct_transport("auto", one_host, 16 << 20) == "object_store"
+  with pytest.raises(UserError, match="/dev/shm has 100 MiB free of the 128 MiB that 4 versions on 2 rollout layout"):
+    direct_transport("shared_memory", one_host, 16 << 20)
 
 
 def test_hung_rollout_workers_are_replaced_then_the_run_gives_up(ray_session, warm_workdir, tmp_path):
@@ -273,6 +292,7 @@ def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers
     assert [p["mesh"] for p in described["processes"]] == [{"tensor": 2}, {"data": 1}, {"data": 1}]
     assert [len(p["local_devices"]) for p in described["processes"]] == [2, 1, 1]
     assert len({p["pid"] for p in described["processes"]}) == 3
+    assert train.describe()["sync"] == "direct (shared_memory)"  # auto: one train process, one host
     Orchestrator(rt, train, rollout, recorder).run()
 
     rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("phase") == "train" and "batch" in r]
