@@ -102,7 +102,7 @@ class DirectSync:
     """layouts: given on a train side sharing its host with the rollout processes
     (sync.transport=shared_memory): the rollout layouts as [(mesh axis sizes, tree of
     PartitionSpecs)]; each version is then written into their regions in shared memory, `slots`
-    versions kept, a write waiting up to timeout_s for a slot's old version to be let go."""
+    versions a segment, a write waiting up to timeout_s where rollout processes hold every slot."""
     self._plan = None if target_shardings is None else RegionPlan(target_structs(shapes, target_shardings))
     if self._plan is not None:  # the receiving layout's name, as the train side computes it
       self._targets = jax.tree.leaves(self._plan.targets)
@@ -113,8 +113,8 @@ class DirectSync:
     for axis_sizes, specs in layouts:
       table = _tile_table(shapes, specs, axis_sizes)
       self._layouts.setdefault(shared_memory.layout_key(table), RegionPlan(shapes, regions=table))
-    self._slots, self._timeout_s = slots, timeout_s
-    self._writer = shared_memory.SlotWriter() if self._layouts else None
+    self._timeout_s = timeout_s
+    self._writer = shared_memory.SlotWriter(slots, timeout_s) if self._layouts else None
     self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="direct-sync") if self._layouts else None
     self._pending = None  # the last shared write's ([Filling], future of its end)
     self.last_seconds = 0.0
@@ -170,22 +170,21 @@ class DirectSync:
                       "the shared versions: use --config.sync.transport=object_store")
     owned = lambda i, _: [(bounds(s.index, leaves[i].shape), np.asarray(s.data)) for s in leaves[i].addressable_shards
                           if s.replica_id == 0]
-    names, fills = {}, []
+    places, fills = {}, []
     for key, plan in self._layouts.items():
-      segment = self._writer.segment(key, plan.placed, plan.nbytes, self._slots)
-      buffer = segment.claim(version, self._timeout_s)
+      segment, slot, buffer = self._writer.claim(key, plan.placed, plan.nbytes, version)
       if buffer is not None:
-        fills.append((segment, plan.start(owned, into=buffer)))
-      names[key] = segment.name
+        fills.append((segment, slot, plan.start(owned, into=buffer)))
+      places[key] = segment.name, slot
     self._pending = fills, self._copier.submit(self._fill, version, fills)
     self.last_seconds = time.perf_counter() - start
-    return {SHARED: names}
+    return {SHARED: places}
 
   @staticmethod
   def _fill(version, fills):
-    for segment, filling in fills:
+    for segment, slot, filling in fills:
       filling.run()
-      segment.written(version)
+      segment.written(slot, version)
 
   def settle(self) -> float:
     """Waits for the last shared write's copies out of the params (before they are donated), making
@@ -193,7 +192,7 @@ class DirectSync:
     start = time.perf_counter()
     if self._pending is not None:
       fills, done = self._pending
-      for _, filling in fills:
+      for *_, filling in fills:
         filling.run()
       done.result()
     return time.perf_counter() - start
@@ -237,11 +236,13 @@ class DirectSync:
       raise UserError(f"weight sync: version {handle.version} was written for rollout layouts {sorted(names)}, "
                       f"not this process's ({self._key}); the train side computes the rollout layouts from the "
                       "mesh file: start both from the same one")
-    name = names[self._key]
-    if name not in self._segments:  # a new writer (a restarted trainer): the old mapping goes with its arrays
-      self._segments = {name: shared_memory.Segment.open(name)}
+    name, slot = names[self._key]
+    if name not in self._segments:  # a new writer's (a restarted trainer's): the old mappings go with their arrays
+      writer = shared_memory.writer_pid(name)
+      self._segments = {n: s for n, s in self._segments.items() if shared_memory.writer_pid(n) == writer}
+      self._segments[name] = shared_memory.Segment.open(name)
     segment = self._segments[name]
-    version, buffer = segment.hold(handle.version, self._timeout_s)
+    version, buffer = segment.hold(slot, handle.version, self._timeout_s)
     buffer.flags.writeable = False
 
     def sources_of(i, _):

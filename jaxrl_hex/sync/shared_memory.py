@@ -6,18 +6,20 @@ writes each version into the rollout layout's tiles (a leaf's distinct regions, 
 segment of /dev/shm, and every rollout process on the host aliases the tiles its devices hold: one
 copy of the model's bytes, by the train process; the rollout side makes none.
 
-A segment holds `slots` versions (slot = version % slots) of one rollout layout; replicas of
-differing layouts get a segment each. A rollout process holding a slot (any of its arrays alias it)
-has an entry (pid, slot) in the segment's table, cleared by a finalizer on the slot's buffer when
-the last such array goes; a writer waits for the holders of a slot's old version before it writes
-the new one (backpressure: the rollout side is then `slots` versions behind), and skips holders
-that died. A receiver takes, under the same file lock, its version's slot once written, or the
-newest version where a newer one took that slot (a superseded handle gets the newest, as orbax's).
+A segment holds `slots` versions of one rollout layout; replicas of differing layouts get segments
+of their own. A rollout process holding a slot (any of its arrays alias it: an engine decoding on
+it, an evaluation engine kept since the last evaluation) has an entry (pid, slot) in the segment's
+table, cleared by a finalizer on the slot's buffer when the last such array goes. A version goes
+into the oldest slot no live process holds (holders that died are skipped); where every slot is
+held the writer opens another segment for the layout, up to BANKS, and only then waits. A receiver
+takes, under the same file lock, its version's slot once written, or the newest version where a
+newer one took that slot (a superseded handle gets the newest, as orbax's).
 
 The writer owns its segments: it unlinks them when it closes or exits, and a segment left by a
 killed writer (its name carries the writer's pid) is removed by the next writer on the host.
 """
 import atexit
+import contextlib
 import fcntl
 import gc
 import glob
@@ -38,7 +40,8 @@ from jaxrl_hex.errors import UserError
 
 DIRECTORY = "/dev/shm"
 PREFIX = "jaxrl-hex-sync-"
-SLOTS = 4  # versions a segment keeps: the engine's, one landing, one being written, a spare
+SLOTS = 4  # versions a segment keeps: the engine's, one landing, one being written, the evaluation engine's
+BANKS = 4  # segments a layout may take while rollout processes hold every slot
 HOLDERS = 256  # entries of a segment's holder table: (pid, slot)
 PAGE = 4096
 HEADER = 24  # bytes: slots, bytes a slot, bytes of the table
@@ -80,14 +83,19 @@ def _alive(pid) -> bool:
   return True
 
 
+def writer_pid(name) -> int | None:
+  """The pid of the process that wrote segment `name` (it is in the name), or None."""
+  try:
+    return int(os.path.basename(name)[len(PREFIX):].split("-")[0])
+  except ValueError:
+    return None
+
+
 def remove_stale():
   """Unlinks segments whose writer died without doing so (killed): their pid no longer runs."""
   for path in glob.glob(os.path.join(DIRECTORY, PREFIX + "*")):
-    try:
-      pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
-    except ValueError:
-      continue
-    if not _alive(pid):
+    pid = writer_pid(path)
+    if pid is not None and not _alive(pid):
       try:
         os.unlink(path)
       except FileNotFoundError:
@@ -132,7 +140,7 @@ class Segment:
     os.pwrite(fd, np.array([slots, slot_bytes, len(table)], np.int64).tobytes(), 0)
     os.pwrite(fd, table, cls._table_offset(slots))
     segment = cls(name, fd, placed, slot_bytes, slots, len(table))
-    segment._control[:slots] = np.arange(slots) - slots  # versions -slots..-1: written by no one
+    segment._control[:slots] = np.arange(slots) - slots - 1  # below -1 (being written): none written yet
     return segment
 
   @classmethod
@@ -153,56 +161,51 @@ class Segment:
     """A fresh uint8 view of `slot` (its own Python object: a finalizer may watch it)."""
     return np.frombuffer(self._map, np.uint8, self.slot_bytes, self._data + slot * self.slot_bytes)
 
+  @contextlib.contextmanager
   def _locked(self):
-    segment = self
-
-    class Locked:
-
-      def __enter__(self):
-        segment._lock.acquire()
-        fcntl.flock(segment._fd, fcntl.LOCK_EX)
-
-      def __exit__(self, *_):
-        fcntl.flock(segment._fd, fcntl.LOCK_UN)
-        segment._lock.release()
-
-    return Locked()
+    with self._lock:
+      fcntl.flock(self._fd, fcntl.LOCK_EX)
+      try:
+        yield
+      finally:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
   # the writer
 
-  def claim(self, version, timeout_s) -> np.ndarray | None:
-    """Waits until no live process holds the slot of `version`, marks it being written -> its
-    buffer; None where the slot holds `version` already (published again without a step since)."""
-    slot, deadline = version % self.slots, time.monotonic() + timeout_s
-    while True:
-      with self._locked():
-        old = int(self._control[slot])
-        if old == version:
-          return None
-        held = [i for i in np.flatnonzero((self._holders[:, 0] != 0) & (self._holders[:, 1] == slot))]
-        for i in held:
-          if not _alive(int(self._holders[i, 0])):
-            self._holders[i] = 0
-        if not any(self._holders[i, 0] for i in held):
-          self._control[slot] = -1
-          return self.slot_buffer(slot)
-      if time.monotonic() > deadline:
-        raise UserError(f"weight sync: version {version} waited {timeout_s:g} s for a rollout process to let go of "
-                        f"version {old} (shared-memory slot {slot}); it is stuck, or more than {self.slots} versions "
-                        "behind: lower train.max_staleness")
-      time.sleep(POLL_S)
+  def slot_of(self, version) -> int | None:
+    """The slot holding `version` (published again without a step since), if any."""
+    found = np.flatnonzero(self._control[:self.slots] == version)
+    return int(found[0]) if len(found) else None
 
-  def written(self, version):
+  def claim(self) -> tuple | None:
+    """The oldest slot no live process holds, marked being written -> (slot, its buffer); None
+    where live processes hold every slot."""
     with self._locked():
-      self._control[version % self.slots] = version
+      held = set()
+      for entry in np.flatnonzero(self._holders[:, 0]):
+        pid, slot = (int(n) for n in self._holders[entry])
+        if _alive(pid):
+          held.add(slot)
+        else:
+          self._holders[entry] = 0
+      free = [s for s in range(self.slots) if s not in held]
+      if not free:
+        return None
+      slot = min(free, key=lambda s: self._control[s])
+      self._control[slot] = -1
+    return slot, self.slot_buffer(slot)
+
+  def written(self, slot, version):
+    with self._locked():
+      self._control[slot] = version
 
   # a receiver
 
-  def hold(self, version, timeout_s) -> tuple:
-    """The slot holding `version` once its writer is done with it (waiting up to timeout_s), or the
-    newest version written where a newer one took its slot -> (version, the slot's buffer),
-    recorded as held by this process until that buffer and every view of it are gone."""
-    slot, deadline = version % self.slots, time.monotonic() + timeout_s
+  def hold(self, slot, version, timeout_s) -> tuple:
+    """`slot` once its writer is done with `version` there (waiting up to timeout_s), or the newest
+    version written where a newer one took the slot -> (version, the slot's buffer), recorded as
+    held by this process until that buffer and every view of it are gone."""
+    deadline = time.monotonic() + timeout_s
     if np.count_nonzero(self._holders[:, 0] == os.getpid()) > 1:
       gc.collect(1)  # arrays of older versions often wait in a young reference cycle, holding their slot
     while True:
@@ -210,7 +213,7 @@ class Segment:
         now = int(self._control[slot])
         newest = int(self._control[:self.slots].max())
         if now != version and now != -1 and newest > version:  # superseded: the newest instead, as orbax's
-          slot, version, now = newest % self.slots, newest, newest
+          slot, version, now = int(np.argmax(self._control[:self.slots])), newest, newest
         free = np.flatnonzero(self._holders[:, 0] == 0)
         if now == version and len(free):
           entry = int(free[0])
@@ -219,7 +222,7 @@ class Segment:
       if now == version:
         raise UserError(f"weight sync: {HOLDERS} versions held at once in {self.name}; a rollout process keeps "
                         "old params alive")
-      writer = int(self.name[len(PREFIX):].split("-")[0])
+      writer = writer_pid(self.name)
       if not _alive(writer) or time.monotonic() > deadline:
         raise UserError(f"weight sync: version {version} is still being written after {timeout_s:g} s"
                         if _alive(writer) else f"weight sync: the train process ({writer}) died while writing version "
@@ -248,18 +251,37 @@ def _release(holders, entry, pid):
 
 
 class SlotWriter:
-  """The train side's segments, one per rollout layout: region placements and their copies."""
+  """The train side's segments, per rollout layout, unlinked when it closes or exits."""
 
-  def __init__(self):
-    self.segments = {}  # layout key -> Segment
+  def __init__(self, slots=SLOTS, timeout_s=300.0):
+    self.slots, self.timeout_s = slots, timeout_s
+    self.segments = {}  # layout key -> [Segment]
     atexit.register(self.close)
 
-  def segment(self, key, placed, slot_bytes, slots) -> Segment:
-    if key not in self.segments:
-      self.segments[key] = Segment.create(placed, slot_bytes, slots)
-    return self.segments[key]
+  def claim(self, key, placed, slot_bytes, version) -> tuple:
+    """A slot of layout `key` for `version` -> (segment, slot, its buffer to fill, or None where
+    it holds `version` already); waits up to timeout_s where BANKS segments' slots are all held."""
+    banks = self.segments.setdefault(key, [])
+    for segment in banks:
+      slot = segment.slot_of(version)
+      if slot is not None:
+        return segment, slot, None
+    deadline = time.monotonic() + self.timeout_s
+    while True:
+      for segment in banks:
+        claimed = segment.claim()
+        if claimed is not None:
+          return (segment, *claimed)
+      if len(banks) < BANKS:
+        banks.append(Segment.create(placed, slot_bytes, self.slots))
+      elif time.monotonic() > deadline:
+        raise UserError(f"weight sync: version {version} waited {self.timeout_s:g} s for a free slot in shared "
+                        f"memory: rollout processes hold all {BANKS * self.slots} versions kept; one is stuck or "
+                        "keeps old params alive (its stacks: jaxrl-hex report)")
+      else:
+        time.sleep(POLL_S)
 
   def close(self):
-    for segment in self.segments.values():
+    for segment in itertools.chain(*self.segments.values()):
       segment.close(unlink=True)
     self.segments = {}

@@ -1,5 +1,5 @@
 """Direct sync within one host: the train side writes each version into the rollout layout's regions
-in /dev/shm, the rollout side aliases them; a slot is never overwritten while a live process holds it."""
+in /dev/shm, the rollout side aliases them; a version is never overwritten while a live process holds it."""
 import os
 import signal
 import subprocess
@@ -30,9 +30,9 @@ def _sides(pools, slots=shared_memory.SLOTS, **model):
   return policy, train_sh, writer, make_sync("direct", shapes, rollout_sh)
 
 
-def _segment(writer):
-  (segment,) = writer._writer.segments.values()
-  return segment
+def _banks(writer):
+  (banks,) = writer._writer.segments.values()
+  return banks
 
 
 def _pointers(params):
@@ -75,20 +75,31 @@ def test_versions_are_written_once_into_the_rollout_regions_and_used_where_they_
   _same(got, held[-1][0])  # the mapping outlives the name while arrays use it
 
 
-def test_a_held_slot_waits_for_its_holder_and_a_superseded_version_gets_the_newest(pools):
+def test_held_versions_are_never_overwritten_and_a_superseded_one_gets_the_newest(pools, monkeypatch):
   policy, train_sh, writer, reader = _sides(pools, slots=2)
-  writer._timeout_s = 0.2
-  handles = {v: writer.publish(v, policy.init(v, train_sh)) for v in (1, 2)}
-  got = reader.receive(handles[1])[1]  # holds slot 1
-  with pytest.raises(UserError, match="version 3 waited 0.2 s for a rollout process to let go of version 1"):
-    writer.publish(3, policy.init(3, train_sh))
-  writer.publish(1, policy.init(1, train_sh))  # the same version again (no step since): already there
-  _same(got, policy.init(1, train_sh))  # untouched
-  del got  # lets go of slot 1
-  writer.publish(3, policy.init(3, train_sh))
-  version, got = reader.receive(handles[1])  # slot 1 holds version 3 now: the newest, as orbax's
+  params = lambda version: policy.init(version, train_sh)
+  handles = {v: writer.publish(v, params(v)) for v in (1, 2)}
+  held = {1: reader.receive(handles[1])[1]}
+  handles[3] = writer.publish(3, params(3))  # into version 2's slot: the oldest no process holds
+  version, held[3] = reader.receive(handles[2])  # version 2 is gone: the newest instead, as orbax's
   assert version == 3
-  _same(got, policy.init(3, train_sh))
+  handles[4] = writer.publish(4, params(4))  # both slots held: a second segment
+  assert len(_banks(writer)) == 2
+  writer.publish(4, params(99))  # the same version again (no step since): already there, not rewritten
+  held[4] = reader.receive(handles[4])[1]
+  held[5] = reader.receive(writer.publish(5, params(5)))[1]
+  monkeypatch.setattr(shared_memory, "BANKS", 2)
+  writer._writer.timeout_s = 0.2
+  with pytest.raises(
+      UserError, match="version 6 waited 0.2 s for a free slot in shared memory: rollout processes "
+      "hold all 4 versions kept"):
+    writer.publish(6, params(6))
+  for v, got in held.items():
+    _same(got, params(v))
+  del held[1]  # lets go of its slot, which version 6 then takes
+  assert reader.receive(writer.publish(6, params(6)))[0] == 6
+  for v, got in held.items():
+    _same(got, params(v))
   writer.close()
 
 
@@ -114,7 +125,6 @@ sys.stdin.read()
 
 def test_another_process_receives_and_a_killed_holder_does_not_block_the_writer(pools):
   policy, train_sh, writer, _ = _sides(pools, slots=2)
-  writer._timeout_s = 30.0
   params = policy.init(1, train_sh)
   handle = writer.publish(1, params)
   child = subprocess.Popen([sys.executable, "-c", RECEIVER % (MODEL, handle.payload)], cwd=ROOT,
@@ -122,14 +132,14 @@ def test_another_process_receives_and_a_killed_holder_does_not_block_the_writer(
                                     PYTHONPATH=ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
   total = float(child.stdout.readline())
   assert total == pytest.approx(sum(float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(params)))
-  segment = _segment(writer)
+  segment = _banks(writer)[0]
   assert [int(p) for p, slot in segment._holders if p] == [child.pid]
   child.send_signal(signal.SIGKILL)  # no finalizer runs: its entry stays, naming a dead pid
   child.wait()
-  writer._timeout_s = 0.5
   writer.publish(2, policy.init(2, train_sh))
-  writer.publish(3, policy.init(3, train_sh))  # slot 1, which the dead process held
-  assert not segment._holders[:, 0].any()
+  assert not segment._holders[:, 0].any()  # the dead holder's entry is gone
+  writer.publish(3, policy.init(3, train_sh))  # into version 1's slot, which the dead process held
+  assert len(_banks(writer)) == 1 and segment.slot_of(1) is None
   writer.close()
 
 
@@ -141,7 +151,7 @@ def test_a_killed_writer_s_segment_is_removed_by_the_next_writer(pools):
   policy, train_sh, writer, _ = _sides(pools)
   writer.publish(1, policy.init(1, train_sh))
   assert not os.path.exists(stale)
-  assert os.path.exists(os.path.join(shared_memory.DIRECTORY, _segment(writer).name))
+  assert os.path.exists(os.path.join(shared_memory.DIRECTORY, _banks(writer)[0].name))
   writer.close()
 
 
@@ -160,14 +170,14 @@ def test_tiles_are_the_regions_jax_lays_out(pools):
 def test_a_receiver_waits_for_the_write_and_learns_when_its_writer_died(pools):
   policy, train_sh, writer, reader = _sides(pools)
   writer.publish(1, policy.init(1, train_sh))
-  segment = _segment(writer)
-  segment.claim(2, timeout_s=1.0)  # being written, by a process that then dies
+  segment = _banks(writer)[0]
+  slot, _ = segment.claim()  # being written, by a process that then dies
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
   orphan = f"{shared_memory.PREFIX}{dead.pid}-{segment.name.rsplit('-', 1)[1]}"
   os.link(os.path.join(shared_memory.DIRECTORY, segment.name), os.path.join(shared_memory.DIRECTORY, orphan))
   handle = writer.publish(1, policy.init(1, train_sh))
   with pytest.raises(UserError, match=f"the train process \\({dead.pid}\\) died while writing version 2"):
-    reader.receive(handle._replace(version=2, payload={SHARED: {k: orphan for k in handle.payload[SHARED]}}))
+    reader.receive(handle._replace(version=2, payload={SHARED: {k: (orphan, slot) for k in handle.payload[SHARED]}}))
   os.unlink(os.path.join(shared_memory.DIRECTORY, orphan))
   writer.close()
