@@ -32,7 +32,7 @@ def test_smoke_run_reports_every_part_with_the_models_counts(tmp_path):
     assert where["top"] and 0 < where["busy_ms"] and 0 <= where["matmul_share"] <= 1
     assert sum(share for _, _, _, share in where["top"]) <= 1.001
   for figure in (decode["decode_tokens_per_s"], train["train_tokens_per_s"], sync["device_put"]["gb_per_s"],
-                 sync["orbax"]["gb_per_s"]):
+                 sync["orbax"]["gb_per_s"], sync["direct shared memory"]["gb_per_s"]):
     assert figure > 0
 
 
