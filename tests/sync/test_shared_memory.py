@@ -181,3 +181,24 @@ def test_a_receiver_waits_for_the_write_and_learns_when_its_writer_died(pools):
     reader.receive(handle._replace(version=2, payload={SHARED: {k: (orphan, slot) for k in handle.payload[SHARED]}}))
   os.unlink(os.path.join(shared_memory.DIRECTORY, orphan))
   writer.close()
+
+
+def test_with_lora_the_adapters_and_the_base_each_go_through_shared_memory(tmp_path):
+  """make_syncs on the train side: the rollout layouts of the adapters and of the frozen base (one
+  slot: published once), split as the policy splits its params."""
+  from support import load_config
+
+  from jaxrl_hex.cluster.local import make_syncs
+  from jaxrl_hex.runtime import build_runtime
+  rt = build_runtime(load_config(**{"sync.method": "direct", "sync.transport": "shared_memory", "model.lora.rank": 4}))
+  (writer, base_writer), (reader, base_reader) = (make_syncs(rt, str(tmp_path), receive) for receive in (False, True))
+  params = rt.policy.init(0, rt.shardings("train"))
+  adapters, base = rt.policy.split(params)
+  assert all("_lora" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(adapters))
+  for writes, reads, tree, version in ((base_writer, base_reader, base, 0), (writer, reader, adapters, 3)):
+    handle = writes.publish(version, tree)
+    assert set(handle.payload) == {SHARED}
+    _same(reads.receive(handle)[1], tree)
+  assert _banks(base_writer)[0].slots == 1 and _banks(writer)[0].slots == shared_memory.SLOTS
+  writer.close()
+  base_writer.close()
