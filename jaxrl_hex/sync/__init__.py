@@ -13,12 +13,13 @@ from jaxrl_hex.errors import UserError
 from jaxrl_hex.sync.device_put import DevicePutSync
 from jaxrl_hex.sync.direct import DirectSync
 from jaxrl_hex.sync.orbax_sync import OrbaxSync
+from jaxrl_hex.sync.shared_memory import SLOTS
 
 METHODS = ("device_put", "orbax", "direct")
 TRANSPORTS = ("auto", "object_store", "shared_memory")  # direct's
 
 
-def make_sync(method, shapes, target_shardings=None, directory="", layouts=(), slots=None):
+def make_sync(method, shapes, target_shardings=None, directory="", layouts=(), slots=SLOTS):
   """target_shardings: the rollout layout, needed where params are received (None: publish only).
   layouts, slots: direct on a train side sharing its host with the rollout processes (DirectSync)."""
   if method == "device_put":
@@ -26,5 +27,5 @@ def make_sync(method, shapes, target_shardings=None, directory="", layouts=(), s
   if method == "orbax":
     return OrbaxSync(directory, shapes, target_shardings)
   if method == "direct":
-    return DirectSync(shapes, target_shardings, layouts, **({} if slots is None else {"slots": slots}))
+    return DirectSync(shapes, target_shardings, layouts, slots)
   raise UserError(f"sync.method: unknown {method!r}; choose one of {METHODS}")

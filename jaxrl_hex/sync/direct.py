@@ -33,7 +33,7 @@ from jaxrl_hex.sync.regions import RegionPlan, bounds
 
 CHUNK_BYTES = 64 << 20  # a receiver fetches whole chunks: bounds what it holds beyond its own shards
 SLICE_BYTES = 64 << 10  # below this a shard is not cut into slices (each is an object-store entry)
-SHARED = "<shared memory>"  # a manifest's entry for a version written to shared memory: {layout key: segment}
+SHARED = "<shared memory>"  # a manifest's entry for a version in shared memory: {layout key: (segment, slot)}
 
 
 def _key(path) -> str:
@@ -123,7 +123,7 @@ class DirectSync:
     """This process's manifest piece {leaf: [(bounds, (ref, i))]}: its shards packed into objects
     of up to CHUNK_BYTES (one ray.put per chunk, not per shard: a put costs ~0.5 ms whatever its
     size); the caller merges pieces (merge_manifests). With layouts, {SHARED: {layout key:
-    segment name}} instead: the version written into each layout's slot for it."""
+    (segment name, slot)}} instead: where the version is written for each rollout layout."""
     if self._layouts:
       return self._write_shared(version, params)
     import ray
@@ -160,8 +160,9 @@ class DirectSync:
     return piece
 
   def _write_shared(self, version, params) -> dict:
-    """Claims each layout's slot for `version` and returns; the copies into it run on beside the
-    trainer (as device_put's do), the slot marked written when they end: a receiver waits for it."""
+    """Claims a slot for `version` in each rollout layout's segments and returns; the copies into
+    them run on beside the trainer (as device_put's do), each slot marked written when its copies
+    end: a receiver waits for that."""
     start = time.perf_counter()
     self.settle()
     leaves = jax.tree.leaves(params)
