@@ -124,6 +124,7 @@ class DirectSync:
     of up to CHUNK_BYTES (one ray.put per chunk, not per shard: a put costs ~0.5 ms whatever its
     size); the caller merges pieces (merge_manifests). With layouts, {SHARED: {layout key:
     (segment name, slot)}} instead: where the version is written for each rollout layout."""
+    jax.block_until_ready(params)  # the step computing them is the trainer's own time, not the sync's
     if self._layouts:
       return self._write_shared(version, params)
     import ray
