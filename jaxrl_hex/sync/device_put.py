@@ -14,10 +14,9 @@ import concurrent.futures
 import time
 
 import jax
-import numpy as np
 
 from jaxrl_hex.sync.handle import Handle, target_structs
-from jaxrl_hex.sync.regions import RegionPlan, bounds
+from jaxrl_hex.sync.regions import RegionPlan, owned
 
 
 def _on_cpu(shardings) -> bool:
@@ -34,6 +33,8 @@ class DevicePutSync:
     self._latest = (-1, None)
     self._plan = None
     self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="device-put-sync")
+    # its own thread: queued behind the copier's, a spare's page faults would delay the next copy
+    self._sparer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="device-put-spare")
     self._pending = None  # the last publish's (future of its Filling, future of its arrays)
     self._computing = None  # the last publish's params until settle() saw them computed
 
@@ -55,14 +56,14 @@ class DevicePutSync:
 
   def _copy(self, version, leaves, started):
     try:
-      filling = self._plan.start(lambda i, _: [(bounds(s.index, leaves[i].shape), np.asarray(s.data))
-                                               for s in leaves[i].addressable_shards if s.replica_id == 0])
+      filling = self._plan.start(lambda i, _: owned(leaves[i]))
     except BaseException as e:
       started.set_exception(e)
       raise
     started.set_result(filling)
     # the arrays are built after the copies: a settle() waits for the copies alone
     self._latest = (version, self._plan.arrays(filling.run()))  # one tuple assignment: a whole pair
+    self._sparer.submit(self._plan.spare)
 
   def _help(self):
     """Runs the last publish's copies along with its thread -> that publish's future, or None."""
@@ -84,6 +85,7 @@ class DevicePutSync:
 
   def close(self):
     self._copier.shutdown(wait=True)
+    self._sparer.shutdown(wait=True)
 
   def receive(self, handle: Handle):
     built = self._help()

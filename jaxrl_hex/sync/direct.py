@@ -29,7 +29,7 @@ import numpy as np
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.sync import shared_memory
 from jaxrl_hex.sync.handle import Handle, target_structs
-from jaxrl_hex.sync.regions import RegionPlan, bounds
+from jaxrl_hex.sync.regions import RegionPlan, owned
 
 CHUNK_BYTES = 64 << 20  # a receiver fetches whole chunks: bounds what it holds beyond its own shards
 SLICE_BYTES = 64 << 10  # below this a shard is not cut into slices (each is an object-store entry)
@@ -144,10 +144,9 @@ class DirectSync:
 
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       entry = piece.setdefault(_key(path), [])
-      owned = [(bounds(s.index, leaf.shape), np.asarray(s.data)) for s in leaf.addressable_shards if s.replica_id == 0]
       # the object store lays a chunk's arrays out in order, so a receiving region they fill end to
       # end is used in place (regions.py): a group starts a new chunk rather than straddle two
-      for group in _in_order(owned):
+      for group in _in_order([(where, host()) for where, host in owned(leaf)]):
         if chunk and chunk_bytes + sum(data.nbytes for _, data in group) > CHUNK_BYTES:
           flush()
         for where, data in group:
@@ -170,13 +169,11 @@ class DirectSync:
     if not all(x.is_fully_addressable for x in leaves):
       raise UserError("sync.transport=shared_memory: the params span several train processes; one process writes "
                       "the shared versions: use --config.sync.transport=object_store")
-    owned = lambda i, _: [(bounds(s.index, leaves[i].shape), np.asarray(s.data)) for s in leaves[i].addressable_shards
-                          if s.replica_id == 0]
     places, fills = {}, []
     for key, plan in self._layouts.items():
       segment, slot, buffer = self._writer.claim(key, plan.placed, plan.nbytes, version)
       if buffer is not None:
-        fills.append((segment, slot, plan.start(owned, into=buffer)))
+        fills.append((segment, slot, plan.start(lambda i, _: owned(leaves[i]), into=buffer)))
       places[key] = segment.name, slot
     self._pending = fills, self._copier.submit(self._fill, version, fills)
     self.last_seconds = time.perf_counter() - start

@@ -1,3 +1,4 @@
+import resource
 import threading
 
 import jax
@@ -102,3 +103,30 @@ def test_a_failed_copy_fails_every_run_of_the_fill(pools):
   # a thread that runs it afterwards makes the copy left and learns the regions are incomplete
   with pytest.raises(RuntimeError, match="a region copy failed"):
     filling.run()
+
+
+def test_a_fill_lands_in_the_spare_arena_whose_pages_were_faulted_in_beforehand(pools):
+  shape = (2048, 8192)  # 64 MB: over malloc's largest mmap threshold, so a fresh arena is fresh pages
+  full = np.ones(shape, np.float32)
+  sources = [(((0, 2048), (0, 8192)), full)]
+  plan = _plan(pools, P(None, "tensor"), shape)
+
+  def fill():
+    """-> (the regions, minor page faults while filling them)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    regions = plan.start(lambda i, name: sources).run()
+    return regions, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+  held, _ = fill()  # the engine's version: its arena stays aliased
+  landing, fresh = fill()  # no free arena: a fresh one, faulted in by the copy
+  plan.spare()
+  spare = plan._arenas[0]
+  assert len(plan._arenas) == 3 and all(spare is not a for a in plan._arenas[1:])
+  ((left, right),), faults = fill()
+  assert spare.ctypes.data <= left.ctypes.data < spare.ctypes.data + spare.nbytes
+  assert faults < fresh // 4, (faults, fresh)  # (transparent huge pages: a fault per 2 MB, not 4 KB)
+  np.testing.assert_array_equal(np.concatenate([left, right], axis=1), full)
+  # with a free arena kept (the first one, once its regions are dropped), a spare adds none
+  del held
+  plan.spare()
+  assert len(plan._arenas) == 3
