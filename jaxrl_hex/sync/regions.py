@@ -67,7 +67,7 @@ def _aligned(nbytes: int) -> np.ndarray:
 
 def _touched(arena: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
   """arena with every page faulted in: on this VM a fresh 128 MB arena's first copy took 0.19-0.42 s
-  against 0.03-0.05 s into a reused one. Chunked, so no one call holds the GIL for long."""
+  against 0.03-0.08 s into a reused one. Chunked, so no one call holds the GIL for long."""
   for i in range(0, arena.nbytes, chunk):
     arena[i:i + chunk] = 0
   return arena
