@@ -232,13 +232,19 @@ class RegionPlan:
       plan = self._planned(tuple(tuple(src for src, _ in leaf) for leaf in sources))
       arena = self._arena() if into is None else into
       regions, copies = [], []
+      read = threading.Lock()  # see get()
       for target, leaf, planned in zip(self._leaves, sources, plan):
         data = {}
 
         def get(k, leaf=leaf, data=data):
-          if k not in data:
-            data[k] = leaf[k][1]() if callable(leaf[k][1]) else leaf[k][1]
-          return data[k]
+          # Every thread running the fill's copies may read a source's shard first. One read at a
+          # time: jaxlib builds an array's list of shards on its first use, and a thread that
+          # reached it while another was half-way (a garbage collection can switch threads there)
+          # got a short list (`addressable_data(3)`: IndexError in one suite run).
+          with read:
+            if k not in data:
+              data[k] = leaf[k][1]() if callable(leaf[k][1]) else leaf[k][1]
+            return data[k]
 
         views = []
         for region in planned:
