@@ -1,4 +1,6 @@
+import gc
 import resource
+import sys
 import threading
 
 import jax
@@ -6,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl_hex.sync.regions import ALIGN, RegionPlan
+from jaxrl_hex.sync.regions import ALIGN, RegionPlan, owned
 
 # rollout layout (data=2, tensor=2): a (8, 32) leaf's regions are its two column halves, each held
 # twice; a quarter of it is 256 bytes, so quarters laid end to end stay aligned as the object store's
@@ -91,6 +93,54 @@ def test_a_fill_run_by_several_threads_makes_every_copy_once(pools, monkeypatch)
   (left, right), = results[0]
   np.testing.assert_array_equal(np.concatenate([left, right], axis=1), full)
   assert copies == [(1, 16)] * 16
+
+
+class _Cycle:
+  """Garbage with a finalizer: collecting it runs Python code, where another thread may take over."""
+
+  def __init__(self):
+    self.other = self
+
+  def __del__(self):
+    sum(range(20))
+
+
+def test_threads_running_one_fill_read_fresh_arrays_shards_safely(pools):
+  """The fill's threads take the first look at the trainer's fresh arrays' shards. jaxlib builds
+  an array's shard list on first use; a collection inside that build switched threads, and a
+  second reader got a short list (`addressable_data(3)`: IndexError, once in a suite run; this
+  test failed in 5 of 5 runs without the fill's read lock, in its first rounds)."""
+  train = NamedSharding(pools["train"].mesh, P("fsdp", "tensor"))
+  plan = _plan(pools, P(None, "tensor"))
+  full = np.arange(256, dtype=np.float32).reshape(SHAPE)
+  switch, thresholds = sys.getswitchinterval(), gc.get_threshold()
+  sys.setswitchinterval(1e-6)
+  gc.set_threshold(1, 1, 1)
+  try:
+    for _ in range(150):
+      x = jax.device_put(full, train)  # fresh: its shard list not built yet
+      filling = plan.start(lambda i, name, x=x: owned(x))
+      errors = []
+
+      def run(filling=filling, errors=errors):
+        for _ in range(100):  # garbage for the collections during the reads to find
+          _Cycle()
+        try:
+          filling.run()
+        except Exception as e:  # noqa: BLE001 - the test reports what each thread met
+          errors.append(e)
+
+      threads = [threading.Thread(target=run) for _ in range(3)]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join()
+      assert not errors, errors
+      (left, right), = filling.regions
+      np.testing.assert_array_equal(np.concatenate([left, right], axis=1), full)
+  finally:
+    sys.setswitchinterval(switch)
+    gc.set_threshold(*thresholds)
 
 
 def test_a_failed_copy_fails_every_run_of_the_fill(pools):
