@@ -16,6 +16,10 @@ from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.sync import make_sync, shared_memory
 from jaxrl_hex.sync.direct import SHARED, rollout_layouts
 
+# One worker runs these: a writer's first segment unlinks every segment whose writer died, and
+# a test that stages one (a dead writer's, for its receiver) lost it to another worker's writer.
+pytestmark = pytest.mark.xdist_group("shared_memory")
+
 MODEL = dict(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64)
 CFG = model_config(**MODEL)
 
