@@ -36,6 +36,12 @@ def bounds(index, shape):
 
 
 _OWNED = {}  # (sharding, shape) -> [(shard number, bounds)] of its distinct shards (replica 0 each)
+# Source reads, one at a time across every fill: the threads running a fill's copies (and those of
+# another layout's fill of the same params) may each take the first look at an array's shards, and
+# jaxlib builds that list on first use; a thread that reached it while another was half-way (a
+# garbage collection can switch threads there) got a short one (`addressable_data(3)`: IndexError
+# in one suite run). A read is ~13 us; the copies still run in parallel.
+_READ = threading.Lock()
 
 
 def owned(x) -> list:
@@ -232,16 +238,11 @@ class RegionPlan:
       plan = self._planned(tuple(tuple(src for src, _ in leaf) for leaf in sources))
       arena = self._arena() if into is None else into
       regions, copies = [], []
-      read = threading.Lock()  # see get()
       for target, leaf, planned in zip(self._leaves, sources, plan):
         data = {}
 
         def get(k, leaf=leaf, data=data):
-          # Every thread running the fill's copies may read a source's shard first. One read at a
-          # time: jaxlib builds an array's list of shards on its first use, and a thread that
-          # reached it while another was half-way (a garbage collection can switch threads there)
-          # got a short list (`addressable_data(3)`: IndexError in one suite run).
-          with read:
+          with _READ:
             if k not in data:
               data[k] = leaf[k][1]() if callable(leaf[k][1]) else leaf[k][1]
             return data[k]

@@ -109,7 +109,7 @@ def test_threads_running_one_fill_read_fresh_arrays_shards_safely(pools):
   """The fill's threads take the first look at the trainer's fresh arrays' shards. jaxlib builds
   an array's shard list on first use; a collection inside that build switched threads, and a
   second reader got a short list (`addressable_data(3)`: IndexError, once in a suite run; this
-  test failed in 5 of 5 runs without the fill's read lock, in its first rounds)."""
+  test failed in 5 of 5 runs without the read lock, in its first rounds)."""
   train = NamedSharding(pools["train"].mesh, P("fsdp", "tensor"))
   plan = _plan(pools, P(None, "tensor"))
   full = np.arange(256, dtype=np.float32).reshape(SHAPE)
