@@ -36,11 +36,11 @@ def bounds(index, shape):
 
 
 _OWNED = {}  # (sharding, shape) -> [(shard number, bounds)] of its distinct shards (replica 0 each)
-# Source reads, one at a time across every fill: the threads running a fill's copies (and those of
-# another layout's fill of the same params) may each take the first look at an array's shards, and
-# jaxlib builds that list on first use; a thread that reached it while another was half-way (a
-# garbage collection can switch threads there) got a short one (`addressable_data(3)`: IndexError
-# in one suite run). A read is ~13 us; the copies still run in parallel.
+# Shard reads (_host), one at a time in the process: the threads running a fill's copies (and
+# those of another layout's fill of the same params) may each take the first look at an array's
+# shards, and jaxlib builds that list on first use; a thread that reached it while another was
+# half-way (a garbage collection can switch threads there) got a short one (`addressable_data(3)`:
+# IndexError in one suite run). A read is ~13 us; the copies still run in parallel.
 _READ = threading.Lock()
 
 
@@ -56,7 +56,8 @@ def owned(x) -> list:
 
 
 def _host(x, k) -> np.ndarray:
-  return np.asarray(x.addressable_data(k))
+  with _READ:
+    return np.asarray(x.addressable_data(k))
 
 
 def _index_key(index):
@@ -242,10 +243,9 @@ class RegionPlan:
         data = {}
 
         def get(k, leaf=leaf, data=data):
-          with _READ:
-            if k not in data:
-              data[k] = leaf[k][1]() if callable(leaf[k][1]) else leaf[k][1]
-            return data[k]
+          if k not in data:
+            data[k] = leaf[k][1]() if callable(leaf[k][1]) else leaf[k][1]
+          return data[k]
 
         views = []
         for region in planned:
