@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from jaxrl_hex.cluster.ray_backend import RayRolloutSide  # noqa: E402
+from jaxrl_hex.cluster.ray_backend import RayRolloutSide, started  # noqa: E402
 from jaxrl_hex.config import load_config_file  # noqa: E402
 from jaxrl_hex.runtime import build_runtime  # noqa: E402
 from jaxrl_hex.sync import make_sync  # noqa: E402
@@ -137,6 +137,8 @@ def _side(mesh_file, args, params, tmp):
   cfg = _config(mesh_file, args)
   rt = build_runtime(cfg)
   side = RayRolloutSide(rt, tempfile.mkdtemp(dir=tmp))
+  for i, answer in enumerate(started(side.starting)):
+    side.up(i, answer)
   handle = make_sync("direct", rt.policy.shapes()).publish(1, params)
   return rt, side, handle
 

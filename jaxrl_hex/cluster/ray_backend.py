@@ -105,30 +105,29 @@ def _actor(cls, spec, **extra):
 
 
 class RayTrainSide:
+  """The train pool's processes. Made, they start (a restore or a warm start) in the background:
+  `starting` holds their start() calls, and up() takes the first one's answer (ray_sides)."""
 
   def __init__(self, rt, workdir, resume):
     import ray
 
     spec = rt.mesh_file.pools["train"]
-    if rt.cfg.sync.method == "direct":
-      with rt.cfg.unlocked():  # resolved before the workers get the config
-        rt.cfg.sync.transport = direct_transport(rt.cfg.sync.transport, rt.mesh_file, param_bytes(rt.policy.shapes()))
     cfg_json = rt.cfg.to_json_best_effort()
     self.method = rt.cfg.sync.method
     self.sync = self.method + (f" ({rt.cfg.sync.transport})" if self.method == "direct" else "")
     self._base = None  # direct sync with LoRA: the base's Handle (sync/adapters.py)
-    cls = _actor(TrainWorker, spec)
-    self.workers = [cls.remote(cfg_json, workdir, resume, i, spec.processes) for i in range(spec.processes)]
-    coordinator = ray.get(self.workers[0].coordinator_address.remote())
-    try:
-      started = ray.get([w.start.remote(coordinator) for w in self.workers])[0]
-    except ray.exceptions.RayTaskError as e:
-      raise _unwrap(e) from None
-    self.version, self.meta, self.warmstart = started["version"], started["meta"], started["warmstart"]
     self.sync_seconds = 0.0
     self.mesh, self.workdir, self.timeout = spec.axes, workdir, rt.cfg.cluster.train_timeout_s
     self.lost = False
     self._ray = ray
+    cls = _actor(TrainWorker, spec)
+    self.workers = [cls.remote(cfg_json, workdir, resume, i, spec.processes) for i in range(spec.processes)]
+    coordinator = ray.get(self.workers[0].coordinator_address.remote())
+    self.starting = [w.start.remote(coordinator) for w in self.workers]
+
+  def up(self, started):
+    """started: process 0's answer to start()."""
+    self.version, self.meta, self.warmstart = started["version"], started["meta"], started["warmstart"]
 
   def _all(self, method, *args):
     """`method` on every train process. One lost process cannot be replaced alone (its peers
@@ -202,6 +201,9 @@ class RayTrainSide:
         self._all("close")
       except RunStopped:
         pass
+    self.kill()
+
+  def kill(self):
     for w in self.workers:
       self._ray.kill(w)
 
@@ -306,13 +308,9 @@ class RayRolloutSide:
     # (prefill and the engine's host work included: the speed routing follows) and decode seconds
     # (the decode steps' programs alone: the cost model's decode step, which calibration fits)
     self.decoded = [{"tokens": 0, "slot_steps": 0, "gen_s": 0.0, "decode_s": 0.0} for _ in range(self.replicas)]
+    # each replica compiles its engine as it is made (RolloutWorker): `starting` waits for that
     self.workers = [cls.remote(*self._args, i, self.slots[i]) for i, cls in enumerate(self._cls)]
-    try:
-      ray.get([w.ready.remote() for w in self.workers])
-    except ray.exceptions.RayTaskError as e:
-      for w in self.workers:
-        ray.kill(w)
-      raise _unwrap(e) from None
+    self.starting = [w.ready.remote() for w in self.workers]
     self._locks = [threading.Lock() for _ in range(self.replicas)]  # replacing replica i
     self._lock = threading.Lock()
     self._restart_lock = threading.Lock()
@@ -330,6 +328,10 @@ class RayRolloutSide:
       t.start()
 
   # ---- replicas -----------------------------------------------------------------------------
+  def up(self, i, started):
+    """started: replica i's answer to ready(), the span of its start."""
+    self._spans.span("start", *started, replica=i, group=self.group_of[i])
+
   def _replace(self, i, worker):
     """A lost or hung replica -> a new one with the same layout (the same replica index)."""
     with self._locks[i]:
@@ -344,7 +346,7 @@ class RayRolloutSide:
       self.workers[i] = self._cls[i].remote(*self._args, i, self.slots[i])
       self._starting.add(i)
       try:
-        self._ray.get(self.workers[i].ready.remote())
+        self.up(i, self._ray.get(self.workers[i].ready.remote()))
       finally:
         self._starting.discard(i)
       now = time.time()
@@ -583,10 +585,38 @@ def ray_sides(rt, workdir, resume):
     OrbaxSync(sync_directory(cfg, workdir))
   connect(cfg.cluster.ray_address)
   check_cluster(rt.mesh_file)
-  train = RayTrainSide(rt, workdir, resume)
+  if cfg.sync.method == "direct":
+    with cfg.unlocked():  # resolved before the workers get the config
+      cfg.sync.transport = direct_transport(cfg.sync.transport, rt.mesh_file, param_bytes(rt.policy.shapes()))
+  # The pools start side by side: the rollout replicas compile their engines while the train
+  # processes join their runtime and restore (or warm-start) the model.
+  rollout = RayRolloutSide(rt, workdir)
   try:
-    rollout = RayRolloutSide(rt, workdir)
+    train = RayTrainSide(rt, workdir, resume)
   except BaseException:
-    train.close()
+    rollout.close()
+    raise
+  try:
+    answers = started(rollout.starting + train.starting)
+    for i, answer in enumerate(answers[:rollout.replicas]):
+      rollout.up(i, answer)
+    train.up(answers[rollout.replicas])
+  except BaseException:
+    train.kill()  # a process that did not start has nothing to close
+    rollout.close()
     raise
   return train, rollout
+
+
+def started(refs) -> list:
+  """The answers to workers' start calls, failing as soon as one fails (with a worker's own
+  UserError, not Ray's wrapper)."""
+  import ray
+  pending = list(refs)
+  try:
+    while pending:
+      done, pending = ray.wait(pending, num_returns=1)
+      ray.get(done)
+  except ray.exceptions.RayTaskError as e:
+    raise _unwrap(e) from None
+  return ray.get(refs)

@@ -78,6 +78,7 @@ class TrainWorker:
     return f"{ray.util.get_node_ip_address()}:{port}"
 
   def start(self, coordinator) -> dict:
+    t0 = time.time()
     cfg = config_from_json(self.cfg_json)
     mesh_file = load_mesh(cfg)
     spec = mesh_file.pools["train"]
@@ -88,6 +89,7 @@ class TrainWorker:
     self.sync, base_sync = make_syncs(rt, self.workdir, receive=False)
     self.side = LocalTrainSide(rt, self.workdir, self.resume, recorder, self.sync, base_sync)
     self._base_published = False
+    recorder.span("train", "start", t0, time.time())  # joined the runtime, restored or warm-started
     return {"version": self.side.version, "meta": self.side.meta, "warmstart": self.side.warmstart}
 
   def step(self, batch) -> dict:
@@ -136,6 +138,7 @@ class RolloutWorker:
   def __init__(self, cfg_json, workdir, replica=0, slots=None):
     """slots: decode slots for this replica's engine (its routed share of a batch), when
     rollout.slots is auto; None keeps the config's."""
+    t0 = time.time()
     cfg = config_from_json(cfg_json)
     if slots and not cfg.rollout.slots:
       with cfg.unlocked():
@@ -147,9 +150,11 @@ class RolloutWorker:
     self.side = LocalRolloutSide(rt, *make_syncs(rt, workdir, receive=True))
     self.side.warmup()  # before ready: a fresh or replacement replica never compiles mid-batch
     self.replica, self.device_type = replica, spec.device_type
+    self._started = (t0, time.time())
 
-  def ready(self) -> bool:
-    return True
+  def ready(self) -> tuple:
+    """-> (start, end) of this replica's start: its runtime, engine and compiles."""
+    return self._started
 
   def generate(self, records, group_size, seed, batch_index, handle):
     return self.side.generate(records, group_size, seed, batch_index, handle)

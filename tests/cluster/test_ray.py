@@ -15,7 +15,7 @@ from support import ROOT, SMALL, load_config
 
 from jaxrl_hex import cli
 from jaxrl_hex.cluster.local import LocalRolloutSide, LocalTrainSide
-from jaxrl_hex.cluster.ray_backend import RayRolloutSide, RayTrainSide, connect, direct_transport
+from jaxrl_hex.cluster.ray_backend import connect, direct_transport, ray_sides
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.metrics import read_jsonl
 from jaxrl_hex.rl.batch import rl_batch
@@ -48,8 +48,7 @@ def _ray_cfg(warm_workdir, **extra):
 def test_two_process_trainer_matches_one_process_and_sync_preserves_values(ray_session, warm_workdir, tmp_path, method):
   cfg = _ray_cfg(warm_workdir, **{"sync.method": method})
   rt = build_runtime(cfg)
-  train = RayTrainSide(rt, str(tmp_path / "ray"), resume=False)
-  rollout = RayRolloutSide(rt, str(tmp_path / "ray"))
+  train, rollout = ray_sides(rt, str(tmp_path / "ray"), resume=False)
   try:
     # the same batch through a one-process trainer with the same (fsdp=2, tensor=2) mesh
     local_cfg = load_config(**SMALL, init_from=warm_workdir)
@@ -258,6 +257,12 @@ def test_the_planners_plan_for_this_machine_runs_through_train(ray_session, warm
   assert [(p["device_type"], p["mesh"], p["cores"]) for p in processes
          ] == [(s.device_type, dict(s.axes), list(s.affinity)) for s in replicas]
   assert [p["cores"] for p in cluster["train"]["processes"]] == [written["pools"]["train"]["affinity"]]
+  spans = read_jsonl(workdir / "spans.jsonl")
+  (train_start,) = [s for s in spans if s["pool"] == "train" and s["kind"] == "start"]
+  replica_starts = [s for s in spans if s["pool"] == "rollout" and s["kind"] == "start"]
+  assert sorted(s["replica"] for s in replica_starts) == list(range(len(replicas)))
+  # the pools start side by side: every replica compiled its engine while the train process started
+  assert all(s["start"] < train_start["end"] and train_start["start"] < s["end"] for s in replica_starts)
 
 
 def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers_weights(
@@ -282,8 +287,7 @@ def test_mixed_fleet_routes_every_prompt_once_and_every_layout_gets_the_trainers
       })
   workdir = str(tmp_path / "mixed")
   rt = build_runtime(cfg)
-  train = RayTrainSide(rt, workdir, resume=False)
-  rollout = RayRolloutSide(rt, workdir)
+  train, rollout = ray_sides(rt, workdir, resume=False)
   recorder = Recorder(workdir)
   try:
     assert rollout.replicas == 3 and rollout.group_of == [0, 1, 1]
@@ -419,7 +423,7 @@ def test_lora_on_ray_sends_the_base_once_and_then_adapters_only(ray_session, war
   cfg = _ray_cfg(warm_workdir, **{"sync.method": "direct", "model.lora.rank": 4, "train.steps": 2})
   workdir = str(tmp_path / "lora")
   rt = build_runtime(cfg)
-  train, rollout = RayTrainSide(rt, workdir, resume=False), RayRolloutSide(rt, workdir)
+  train, rollout = ray_sides(rt, workdir, resume=False)
   recorder = Recorder(workdir)
   try:
     Orchestrator(rt, train, rollout, recorder).run()
