@@ -114,6 +114,13 @@ def test_bad_cluster_input_fails_before_work(ray_session, warm_workdir, tmp_path
   assert cli.main(base + [f"--workdir={tmp_path}/c"] + direct) == 2
   assert ("sync.transport=shared_memory: pools.train.processes is 2 (one train process writes the versions); use "
           "--config.sync.transport=object_store") in capsys.readouterr().err
+  # a pool whose processes cannot start (the train pool: no best checkpoint to start from) stops
+  # the start of both pools, which start side by side, with its own one-line error
+  assert cli.main([
+      "train", f"--workdir={tmp_path}/d", f"--config.init_from={warm_workdir}:best", "--config.cluster.backend=ray",
+      "--config.sync.method=direct", f"--config.mesh_file={RAY_MESH}"
+  ]) == 2
+  assert f"init_from={warm_workdir}:best: " in capsys.readouterr().err
 
 
 def test_direct_sync_goes_through_shared_memory_where_it_can(ray_session, monkeypatch):
