@@ -27,7 +27,9 @@ from jaxrl_hex.tasks import load_task
 # JAX's persistent compilation cache, on in every runtime: the train pool's preflight compiles the
 # very programs the trainer then runs (a real model's update compiles for minutes on TPU/GPU), and
 # resumed runs and replaced Ray workers compile what their predecessors did. JAX_COMPILATION_CACHE_DIR
-# names another directory ("" turns it off).
+# names another directory ("" turns it off). Every program is kept, not only those compiling for
+# over JAX's default second: a small model's engine and trainer are dozens of quicker compiles,
+# which every restart paid again. JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS sets another threshold.
 COMPILE_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxrl_hex", "xla")
 
 BATCHES = (("train", "rollout.prompts_per_step x rollout.group_size"),
@@ -136,9 +138,12 @@ def load_mesh(cfg) -> meshes.MeshFile:
 
 def enable_compile_cache():
   """Points JAX's persistent compilation cache at COMPILE_CACHE_DIR unless the environment names
-  one. JAX decides at its first compile whether a process uses the cache, so this comes first."""
+  one, keeping every program. JAX decides at its first compile whether a process uses the cache,
+  so this comes first."""
   if "JAX_COMPILATION_CACHE_DIR" not in os.environ and jax.config.jax_compilation_cache_dir is None:
     jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE_DIR)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def build_runtime(cfg, own_runtime=False, replica=None, check_prompts=True) -> Runtime:

@@ -4,6 +4,8 @@ import argparse
 import functools
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -246,3 +248,23 @@ def test_every_runtime_turns_on_the_persistent_compilation_cache(monkeypatch):
     assert jax.config.jax_compilation_cache_dir == ""
   finally:
     jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_every_program_goes_into_the_cache_however_quick_its_compile(tmp_path):
+  """A restart loads even the sub-second compiles (nearly all of a small model's) instead of
+  compiling them again; JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS keeps a threshold the user sets."""
+  code = ("from jaxrl_hex.runtime import enable_compile_cache; enable_compile_cache(); import jax; "
+          "print(float(jax.jit(lambda x: x * 3 + 1)(2.0)))")
+
+  def cached(name, **env):
+    """-> the cache files a fresh process leaves after one quick compile (without the threshold
+    tests/conftest.py sets for the suite)."""
+    cache = tmp_path / name
+    base = {k: v for k, v in os.environ.items() if k != "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
+    env = dict(base, JAX_COMPILATION_CACHE_DIR=str(cache), **env)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "7.0"
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+  assert len([n for n in cached("default") if n.endswith("-cache")]) == 1
+  assert cached("threshold", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="60") == []
