@@ -142,8 +142,9 @@ def enable_compile_cache():
   so this comes first."""
   if "JAX_COMPILATION_CACHE_DIR" not in os.environ and jax.config.jax_compilation_cache_dir is None:
     jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE_DIR)
-  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  threshold = "jax_persistent_cache_min_compile_time_secs"
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ and getattr(jax.config, threshold) == 1.0:
+    jax.config.update(threshold, 0.0)  # JAX's default; one the process set itself stands
 
 
 def build_runtime(cfg, own_runtime=False, replica=None, check_prompts=True) -> Runtime:
