@@ -35,7 +35,14 @@ FIGURES = {
 }
 ZOOM = 10  # train steps in the timeline's close-up
 ZOOM_MIN_WIDTH = 1 / 250  # of the close-up's window: a span narrower than this is widened to it there
-KIND_COLORS = {"generate": "tab:green", "reward": "tab:olive", "step": "tab:blue", "sync": "tab:red"}
+KIND_COLORS = {
+    "start": "tab:purple",  # a pool starting: its runtime, restore or warm start, compiles (Ray)
+    "probe": "tab:orange",
+    "generate": "tab:green",
+    "reward": "tab:olive",
+    "step": "tab:blue",
+    "sync": "tab:red"
+}
 
 
 @dataclasses.dataclass
@@ -255,7 +262,7 @@ def _timeline_figure(runs):
   kinds = sorted({s["kind"] for run in runs for s in run.spans})
   handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLORS.get(k, "tab:gray")) for k in kinds]
   fig.legend(handles, kinds, loc="upper right", fontsize=8, ncol=len(kinds))
-  fig.suptitle("Timeline per pool")
+  fig.suptitle("Timeline per pool", x=0.01, ha="left")  # the legend takes the right
   return fig
 
 
