@@ -4,7 +4,7 @@ compiled with one part of its programs changed, their runs alternating (best of 
   identical              nothing changed: the noise floor between two engines
   attention 8 columns    every decode call attends to 8 cache columns instead of its span
   attention full width   every call attends to the whole ring (no narrowed copy of the cache)
-  argmax                 sampling replaced by an argmax (no keys, no logprob)
+  argmax                 sampling replaced by an argmax (no draw, no logprob)
   no RoPE                q and k not rotated
   no RMSNorm             every norm the identity
   no softmax             attention's probabilities replaced by the scaled scores

@@ -40,7 +40,8 @@ def sample(logits, rng, temperature, top_k: int = 0, top_p: float = 1.0, min_p: 
   temperature: a Python float (a constant of the program) or a traced scalar, so one program
   serves greedy and sampled decoding (argmax then replaces the draw where it is 0).
   rng: one key for the batch, or [B] keys, one per row (a row's draw then depends on its own key
-  only, not on which rows share the batch)."""
+  only, not on which rows share the batch), or the [B] uniforms those keys give (uniforms), drawn
+  beforehand."""
   static = isinstance(temperature, (int, float))
   if static and temperature == 0.0:
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -65,8 +66,14 @@ def sample(logits, rng, temperature, top_k: int = 0, top_p: float = 1.0, min_p: 
   return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
 
+def uniforms(rng, rows: int):
+  """One key or [B] keys -> the [B] uniforms in [0, 1) a draw with them uses (key i's for row i)."""
+  return jax.vmap(jax.random.uniform)(rng) if rng.shape else jax.random.uniform(rng, (rows,))
+
+
 def inverse_cdf_sample(logits, rng):
-  """logits [B, V] (-inf = excluded), rng one key or [B] keys -> tokens [B] int32 drawn from softmax(logits).
+  """logits [B, V] (-inf = excluded), rng one key, [B] keys or their [B] uniforms -> tokens [B]
+  int32 drawn from softmax(logits).
 
   One uniform per row against the running sum of exp(logits - max): the token is the first whose
   running sum exceeds u * total. A Gumbel-max draw (jax.random.categorical) needs V random numbers
@@ -74,9 +81,6 @@ def inverse_cdf_sample(logits, rng):
   CPU. Excluded tokens add 0 to the running sum, so they are never drawn."""
   e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
   running = jnp.cumsum(e, axis=-1)
-  if rng.shape:
-    u = jax.vmap(jax.random.uniform)(rng)[:, None]
-  else:
-    u = jax.random.uniform(rng, (logits.shape[0], 1))
-  u = u * running[:, -1:]
+  u = rng if jnp.issubdtype(rng.dtype, jnp.floating) else uniforms(rng, logits.shape[0])
+  u = u[:, None] * running[:, -1:]
   return jnp.minimum(jnp.sum(running <= u, axis=-1), logits.shape[-1] - 1).astype(jnp.int32)

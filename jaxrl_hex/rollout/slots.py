@@ -51,7 +51,7 @@ from jaxrl_hex.models.decoder import (
     split_shards,
     write_columns,
 )
-from jaxrl_hex.rollout.sampling import sample
+from jaxrl_hex.rollout.sampling import sample, uniforms
 
 
 def _axes(*axes):  # a state field's logical axes, which state_shardings maps onto the pool's mesh
@@ -439,6 +439,12 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
   width = state.pos.shape[0]
   eos = jnp.asarray(eos_ids, jnp.int32)
   tables = rope_tables(policy.cfg, state.kv.width)  # a slot's positions stay below the width it reads
+  # every step's draws at once: a slot live at step i has sampled count + i tokens (a slot that
+  # stops stays stopped within the call), so these are the uniforms each step would draw, and the
+  # loop runs no RNG (XLA:CPU ran threefry as two 5-trip loops a step: over half its thunks)
+  keys = jax.random.wrap_key_data(state.key)
+  draws = jax.vmap(lambda i: uniforms(jax.vmap(jax.random.fold_in)(keys, state.count + i), width))(
+      jnp.arange(max_steps))  # [K, S]: step i's uniform of each slot
 
   def body(loop):
     st, live, i = loop.state, loop.live, loop.step
@@ -447,8 +453,7 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
                                  key_positions=key_positions, rope_tables=tables)
     logits = logits[:, -1] if logits_sharding is None else jax.lax.with_sharding_constraint(
         logits[:, -1], logits_sharding)
-    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(st.key), st.count)  # [S]: token count of slot s
-    token, logprob = sample(logits, keys, **dict(sampling, temperature=temperature))
+    token, logprob = sample(logits, draws[i], **dict(sampling, temperature=temperature))
     count = st.count + live
     finished = live & (jnp.isin(token, eos) | (count >= st.max_new))
     st = dataclasses.replace(st, cache=cache, kv=kv, pending=token, pos=st.pos + 1, count=count)

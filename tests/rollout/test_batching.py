@@ -167,15 +167,18 @@ def test_a_fresh_batch_decodes_on_the_ring_columns_it_has_written(pools, weights
   assert_parity(policy, {0: params}, samples)
 
 
-def loop_copies(engine) -> int:
-  """Copies of arrays of 3 or more axes (a KV cache, or a paged call's copy of it) in the loop
-  of the engine's compiled decode program (its largest while body)."""
+def decode_loop(engine) -> str:
+  """The loop of the engine's compiled decode program (its largest while body), as HLO text."""
   fn, args = engine.decode_program()
   hlo = fn.lower(*args).compile().as_text()
   bodies = re.findall(r"body=%?([\w.\-]+)", hlo)
   computations = {m.group(1): m.group(2) for m in re.finditer(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S)}
-  loop = max((computations[b] for b in bodies), key=len)
-  return len(re.findall(r"= \w+\[\d+,\d+,\d+[\d,]*\]\S* copy\(", loop))
+  return max((computations[b] for b in bodies), key=len)
+
+
+def loop_copies(engine) -> int:
+  """Copies of arrays of 3 or more axes (a KV cache, or a paged call's copy of it) in the decode loop."""
+  return len(re.findall(r"= \w+\[\d+,\d+,\d+[\d,]*\]\S* copy\(", decode_loop(engine)))
 
 
 def test_a_decode_step_writes_its_cache_in_place_on_either_layout(pools, weights):
@@ -195,6 +198,27 @@ def test_a_decode_step_writes_its_cache_in_place_on_either_layout(pools, weights
     assert engine.layout.flat is flat and engine._state.cache[0][0].shape == shape
     assert sorted(len(s.tokens) for s in samples) == [6, 6, 6, 8, 8]
     assert_parity(policy, {0: params}, samples)
+
+
+def test_a_call_draws_its_steps_uniforms_before_its_loop_as_each_step_would(pools, weights):
+  """A slot's token c is drawn with fold_in(key, c) however many steps a call runs (slots that
+  stop mid-call, refills): the same samples at 1 and 5 steps a call, on the ring and paged; and
+  the decode loop runs no RNG (threefry's loops were over half its thunks)."""
+  policy, params, _ = weights
+  requests = lambda: [Request("12+34=", n=2, max_tokens=7), Request("7=", n=3, max_tokens=3), Request("9+1=")]
+  for page in (0, 4):
+    got = []
+    for steps in (1, 5):
+      engine = make_engine(pools, policy, slots=4, steps_per_sync=steps, kv_page_size=page)
+      engine.load_weights(0, params)
+      engine.rng = jax.random.key(11)
+      samples = sorted(run(engine, requests()), key=lambda s: (s.request_id, s.index))
+      got.append([(s.tokens.tolist(), s.logprobs.tolist()) for s in samples])
+      assert " while(" not in decode_loop(engine)
+    assert [t for t, _ in got[0]] == [t for t, _ in got[1]]
+    assert sorted(len(t) for t, _ in got[0]) == [3, 3, 3, 7, 7, 8]
+    # (other programs: the logprobs may differ in their last bits)
+    np.testing.assert_allclose(sum((lp for _, lp in got[0]), []), sum((lp for _, lp in got[1]), []), atol=1e-5)
 
 
 def test_a_sliding_window_model_decodes_as_the_trainer_scores(pools):

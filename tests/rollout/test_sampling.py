@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_hex.rollout.sampling import sample
+from jaxrl_hex.rollout.sampling import sample, uniforms
 
 LOGITS = jnp.array([[2.0, 1.0, 0.5, -1.0, 0.0]] * 2000)
 
@@ -85,6 +85,8 @@ def test_per_row_keys_make_a_row_draw_independent_of_its_batch():
   alone = [int(inverse_cdf_sample(row[None], keys[i:i + 1])[0]) for i in range(8)]
   together = np.asarray(inverse_cdf_sample(jnp.tile(row, (64, 1)), keys))
   assert together[:8].tolist() == alone  # row i's draw is its key's, whatever rows share the batch
+  drawn = inverse_cdf_sample(jnp.tile(row, (64, 1)), uniforms(keys, 64))  # the keys' uniforms drawn beforehand
+  np.testing.assert_array_equal(drawn, together)
   freq = np.bincount(
       np.asarray(inverse_cdf_sample(jnp.tile(row, (20000, 1)), jax.random.split(jax.random.key(9), 20000))),
       minlength=4) / 20000
