@@ -25,6 +25,8 @@ import typing
 
 import jax
 import numpy as np
+from jax._src import core  # the one batched put per leaf (arrays)
+from jax._src.interpreters import pxla
 
 ALIGN = 64  # what XLA:CPU needs to alias a host buffer
 ARENAS = 4  # kept for reuse: the engine's version, one waiting to switch in, one being received, a spare
@@ -58,12 +60,6 @@ def owned(x) -> list:
 def _host(x, k) -> np.ndarray:
   with _READ:
     return np.asarray(x.addressable_data(k))
-
-
-def _index_key(index):
-  """A device's index (slices, unhashable before Python 3.12) as a dict key; the map it comes from
-  is the sharding's own, so equal indices spell their slices alike."""
-  return tuple((s.start, s.stop) for s in index)
 
 
 def _aligned(nbytes: int) -> np.ndarray:
@@ -148,13 +144,14 @@ class RegionPlan:
     self._leaves = jax.tree.leaves(targets)
     self._names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(targets)]
     self._wanted = []  # per leaf: [(region bounds, byte offset in the arena)]
-    self._region_of = []  # per leaf: {device index key: region number}
+    self._puts = []  # per leaf: (its aval, its addressable devices, the region number each holds)
     offset = 0
     for n, target in enumerate(self._leaves):
       if regions is None:
-        indices = target.sharding.addressable_devices_indices_map(target.shape).values()
-        wanted = list(dict.fromkeys(bounds(i, target.shape) for i in indices))
-        self._region_of.append({_index_key(i): wanted.index(bounds(i, target.shape)) for i in indices})
+        index_of = target.sharding.addressable_devices_indices_map(target.shape)
+        wanted = list(dict.fromkeys(bounds(i, target.shape) for i in index_of.values()))
+        aval = core.update_aval_with_sharding(core.ShapedArray(target.shape, target.dtype), target.sharding)
+        self._puts.append((aval, list(index_of), [wanted.index(bounds(i, target.shape)) for i in index_of.values()]))
       else:
         wanted = regions[n]
       placed = []
@@ -261,11 +258,13 @@ class RegionPlan:
 
   def arrays(self, regions):
     """A fill's regions -> the target tree's arrays, on the receiving layout: every device holding a
-    region gets its (on CPU aliased) buffer, one batched put per leaf."""
-    out = []
-    for target, views, region_of in zip(self._leaves, regions, self._region_of):
-      region = lambda index, views=views, region_of=region_of: views[region_of[_index_key(index)]]
-      out.append(jax.make_array_from_callback(target.shape, target.sharding, region))
+    region gets its (on CPU aliased) buffer, one batched put per leaf: the put make_array_from_callback
+    ends in, without what it works out again at every call (each device's index, the aval, checks of
+    every value), which took more of a receive's time than the put itself."""
+    out = [
+        pxla.batched_device_put(aval, target.sharding, [views[r] for r in held], devices)
+        for target, views, (aval, devices, held) in zip(self._leaves, regions, self._puts)
+    ]
     return jax.tree.unflatten(jax.tree.structure(self.targets), out)
 
   def build(self, sources_of, alias=False):
