@@ -251,7 +251,7 @@ class RegionPlan:
           if view is None:
             nbytes = math.prod(region.shape) * np.dtype(target.dtype).itemsize
             view = arena[region.offset:region.offset + nbytes].view(target.dtype).reshape(region.shape)
-            copies += [(view[c.into], functools.partial(_part, get, c.source, c.take)) for c in region.copies]
+            copies += [(view, get, c) for c in region.copies]  # sliced by the thread that copies it
           views.append(view)
         regions.append(views)
       return Filling(regions, copies)
@@ -271,17 +271,13 @@ class RegionPlan:
     return self.arrays(self.start(sources_of, alias).run())
 
 
-def _part(get, source, take) -> np.ndarray:
-  return get(source)[take]
-
-
 class Filling:
   """A fill under way: its copies, taken one at a time by every thread that runs it (the one that
   started it, and any that would otherwise wait for it: on loaded cores, more of the CPU for it)."""
 
   def __init__(self, regions, copies):
     self.regions = regions  # per leaf, its regions' host arrays
-    self._copies = collections.deque(copies)  # (into, a callable returning what goes there); popleft is atomic
+    self._copies = collections.deque(copies)  # (region view, its leaf's source getter, _Copy); popleft is atomic
     self._left = len(copies)
     self._lock = threading.Lock()
     self._done = threading.Event()
@@ -295,11 +291,11 @@ class Filling:
     hand on regions holding an older version's bytes where that copy was to land."""
     while True:
       try:
-        into, source = self._copies.popleft()
+        view, get, c = self._copies.popleft()
       except IndexError:
         break
       try:
-        np.copyto(into, source())
+        np.copyto(view[c.into], get(c.source)[c.take])
       except BaseException as e:
         self._failed = e
         raise
