@@ -280,13 +280,14 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--part", default="all", choices=["sync", "async", "all"])
   parser.add_argument("--steps", type=int, default=40)
+  parser.add_argument("--rounds", type=int, default=5, help="sync part: rounds of every method, the best kept")
   parser.add_argument("--wait-steps", type=int, default=10, help="train steps of each trainer-wait run (sync part)")
   parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "out", "cluster.json"))
   parser.add_argument("--readme", action="store_true", help="rewrite the cluster-sync block of benchmarks/README.md")
   args = parser.parse_args()
   out = {}
   if args.part in ("sync", "all"):
-    out["sync"] = bench_sync()
+    out["sync"] = bench_sync(args.rounds)
     for r in out["sync"]:
       print(f"sync {r['method']:>10}, {r['params']:>9}: {r['seconds']*1e3:7.1f} ms "
             f"(trainer waits {r['publish_s']*1e3:.1f} ms) "
