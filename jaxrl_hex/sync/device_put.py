@@ -93,7 +93,7 @@ class DevicePutSync:
     copied = self._help()
     if copied is not None:
       # wrapped here, not by the copying thread after its copies: a receive waiting for that thread
-      # woke 0.3-1 ms after it was done (128 MB, 75 leaves)
+      # to wrap them ended 0.7-1.0 ms after the wrap (128 MB, 75 leaves), wrapping them itself 0.5-0.7
       with self._wrapping:
         if self._latest[0] < copied[0]:
           self._latest = (copied[0], self._plan.arrays(copied[1]))  # one tuple assignment: a whole pair
