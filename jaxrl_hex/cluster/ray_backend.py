@@ -309,6 +309,7 @@ class RayRolloutSide:
     # (the decode steps' programs alone: the cost model's decode step, which calibration fits)
     self.decoded = [{"tokens": 0, "slot_steps": 0, "gen_s": 0.0, "decode_s": 0.0} for _ in range(self.replicas)]
     # each replica compiles its engine as it is made (RolloutWorker): `starting` waits for that
+    self._made = [time.time()] * self.replicas  # when each replica was asked for: its start span's start
     self.workers = [cls.remote(*self._args, i, self.slots[i]) for i, cls in enumerate(self._cls)]
     self.starting = [w.ready.remote() for w in self.workers]
     self._locks = [threading.Lock() for _ in range(self.replicas)]  # replacing replica i
@@ -328,9 +329,10 @@ class RayRolloutSide:
       t.start()
 
   # ---- replicas -----------------------------------------------------------------------------
-  def up(self, i, started):
-    """started: replica i's answer to ready(), the span of its start."""
-    self._spans.span("start", *started, replica=i, group=self.group_of[i])
+  def up(self, i, ready_at):
+    """ready_at: replica i's answer to ready(). Its start span runs from the driver asking for the
+    replica (its process's launch included) to that."""
+    self._spans.span("start", self._made[i], ready_at, replica=i, group=self.group_of[i])
 
   def _replace(self, i, worker):
     """A lost or hung replica -> a new one with the same layout (the same replica index)."""
@@ -343,6 +345,7 @@ class RayRolloutSide:
           raise RuntimeError(f"rollout workers were lost {self.restarts} times (cluster.max_restarts="
                              f"{self.max_restarts}); see the Ray logs for why they die")
       self._ray.kill(worker, no_restart=True)
+      self._made[i] = time.time()
       self.workers[i] = self._cls[i].remote(*self._args, i, self.slots[i])
       self._starting.add(i)
       try:

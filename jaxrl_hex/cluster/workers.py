@@ -138,7 +138,6 @@ class RolloutWorker:
   def __init__(self, cfg_json, workdir, replica=0, slots=None):
     """slots: decode slots for this replica's engine (its routed share of a batch), when
     rollout.slots is auto; None keeps the config's."""
-    t0 = time.time()
     cfg = config_from_json(cfg_json)
     if slots and not cfg.rollout.slots:
       with cfg.unlocked():
@@ -150,11 +149,11 @@ class RolloutWorker:
     self.side = LocalRolloutSide(rt, *make_syncs(rt, workdir, receive=True))
     self.side.warmup()  # before ready: a fresh or replacement replica never compiles mid-batch
     self.replica, self.device_type = replica, spec.device_type
-    self._started = (t0, time.time())
+    self._ready_at = time.time()
 
-  def ready(self) -> tuple:
-    """-> (start, end) of this replica's start: its runtime, engine and compiles."""
-    return self._started
+  def ready(self) -> float:
+    """-> when this replica's start ended: its runtime, engine and compiles."""
+    return self._ready_at
 
   def generate(self, records, group_size, seed, batch_index, handle):
     return self.side.generate(records, group_size, seed, batch_index, handle)
