@@ -13,8 +13,9 @@ keeps its best:
   whole run       process start -> exit (3 steps, the closing evaluation, shutdown)
 
 On the Ray backend spans.jsonl has each pool's start (the train pool's processes joining their
-runtime and restoring the warm start; the rollout replica's runtime, engine and compiles): the
-pools start side by side, and "overlap" is the seconds both were starting at once.
+runtime and restoring the warm start; the rollout replica's from the driver asking for it: its
+process's launch, runtime, engine and compiles): the pools start side by side, and "overlap" is
+the seconds both were starting at once.
 
 python benchmarks/startup.py [--runs 2] [--readme]   # ~4 min quiet -> benchmarks/out/startup.json
 """
