@@ -91,3 +91,37 @@ def test_per_row_keys_make_a_row_draw_independent_of_its_batch():
       np.asarray(inverse_cdf_sample(jnp.tile(row, (20000, 1)), jax.random.split(jax.random.key(9), 20000))),
       minlength=4) / 20000
   np.testing.assert_allclose(freq, jax.nn.softmax(row), atol=0.012)
+
+
+def test_the_two_level_draw_picks_the_token_a_flat_running_sum_does():
+  from jaxrl_hex.rollout.sampling import block_width, inverse_cdf_sample
+  vocab = 1000  # blocks of 32, the last padded by 8
+  assert block_width(vocab) == 32 and block_width(151936) == 128 and block_width(131072) == 256 and block_width(
+      512) == 32
+  rng = np.random.default_rng(0)
+  logits = rng.normal(0, 3, (64, vocab)).astype(np.float32)
+  logits[:, 64:128] = -np.inf  # two whole blocks excluded
+  logits[:, rng.random(vocab) < 0.3] = -np.inf  # and tokens scattered everywhere, the last ones too
+  logits[:, vocab - 50:] = -np.inf
+  u = rng.random(64).astype(np.float32)
+  u[:3] = [0.0, 1e-9, np.nextafter(np.float32(1), np.float32(0))]  # either end of [0, 1)
+  e = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+  running = np.cumsum(e, -1)
+  want = np.minimum((running <= u[:, None] * running[:, -1:]).sum(-1), vocab - 51)  # the last token with mass
+  got = np.asarray(inverse_cdf_sample(jnp.asarray(logits), jnp.asarray(u)))
+  np.testing.assert_array_equal(got, want)
+  assert np.isfinite(logits[np.arange(64), got]).all()
+
+
+def test_greedy_tokens_are_argmax_first_maximum_across_blocks():
+  from jaxrl_hex.rollout.sampling import greedy_tokens
+  rng = np.random.default_rng(1)
+  for vocab in (6, 1000, 4096):  # one padded block, padded blocks of 32, whole blocks of 64
+    logits = rng.normal(0, 1, (16, vocab)).astype(np.float32)
+    logits[:, rng.random(vocab) < 0.2] = -np.inf
+    logits[0, [vocab // 3, vocab - 1]] = 50.0  # a tie in two blocks: the first wins
+    logits[1, [2, 3]] = 50.0  # a tie inside one block
+    logits[2, -1] = 50.0  # the last token
+    got = np.asarray(greedy_tokens(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, -1))
+    assert got[0] == vocab // 3 and got[1] == 2 and got[2] == vocab - 1
