@@ -125,3 +125,17 @@ def test_greedy_tokens_are_argmax_first_maximum_across_blocks():
     got = np.asarray(greedy_tokens(jnp.asarray(logits)))
     np.testing.assert_array_equal(got, np.argmax(logits, -1))
     assert got[0] == vocab // 3 and got[1] == 2 and got[2] == vocab - 1
+
+
+def test_top_k_cutoff_is_the_kth_largest_logit_ties_counted():
+  from jaxrl_hex.rollout.sampling import top_k_cutoff
+  rng = np.random.default_rng(2)
+  logits = np.round(rng.normal(0, 2, (8, 1000)), 1).astype(np.float32)  # blocks of 32; many ties
+  logits[:, rng.random(1000) < 0.1] = -np.inf
+  logits[0, :3] = logits[0, 500:503] = 30.0  # the top 6 tied in two blocks
+  for k in (1, 3, 7, 20, 300):  # 7: over its blocks' tokens; 20, 300: over the whole row
+    want = np.asarray(jax.lax.top_k(jnp.asarray(logits), k)[0][:, -1:])
+    np.testing.assert_array_equal(np.asarray(top_k_cutoff(jnp.asarray(logits), k)), want)
+  few = np.full((2, 1000), -np.inf, np.float32)
+  few[:, [5, 900]] = [1.0, 2.0]  # fewer tokens than k: every one of them is kept
+  assert (np.asarray(top_k_cutoff(jnp.asarray(few), 7)) <= 1.0).all()
