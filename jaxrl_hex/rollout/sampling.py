@@ -6,9 +6,8 @@ the distribution the trainer recomputes (rl.layout.token_logprobs).
 No sort of the vocabulary: top-k and top-p find their logit cutoffs by bisection (a fixed number
 of O(V) passes, which beats an O(V log V) sort on large vocabularies and keeps the shapes static;
 top-k's over the tokens of its blocks with the largest maxima only), min-p is one comparison
-against the max. The
-draw itself is by inverse CDF: one uniform per row, a running sum over blocks and then over one
-block's tokens.
+against the max. The draw itself is by inverse CDF: one uniform per row, a running sum over
+blocks of tokens and then over one block's tokens.
 """
 import math
 
