@@ -86,4 +86,6 @@ def main():
 
 
 if __name__ == "__main__":
+  from jaxrl_hex.host_memory import restart_with_huge_pages
+  restart_with_huge_pages()  # glibc huge pages, as the jaxrl-hex program runs (jaxrl_hex/host_memory.py)
   main()

@@ -5,6 +5,8 @@ import sys
 
 from jaxrl_hex import __version__
 from jaxrl_hex.arguments import fail
+from jaxrl_hex.errors import UserError
+from jaxrl_hex.host_memory import restart_with_huge_pages
 
 USAGE = """usage: jaxrl-hex COMMAND [flags]      (jaxrl-hex COMMAND --help for its flags)
 
@@ -63,5 +65,14 @@ def main(argv=None) -> int:
   return getattr(importlib.import_module(module), fn)(rest)
 
 
-if __name__ == "__main__":
+def entry():
+  """The `jaxrl-hex` program: glibc's huge pages first (host_memory), then the command."""
+  try:
+    restart_with_huge_pages()
+  except UserError as e:
+    sys.exit(fail(str(e)))
   sys.exit(main())
+
+
+if __name__ == "__main__":
+  entry()

@@ -1,34 +1,89 @@
-"""Host memory for XLA:CPU, opt-in (JAXRL_HEX_MALLOC=keep): freed buffers stay with the process.
+"""Host memory for XLA:CPU (JAXRL_HEX_MALLOC=huge|keep|system): how a program's temporaries get pages.
 
 XLA:CPU takes every buffer of a program from glibc's malloc, and a program's temporaries from one
 block per call (a W3 train step's: 897 MB). glibc serves a block that large by mmap and returns it
-by munmap when the call ends, so each call maps fresh pages and faults every one of them in (the
-kernel zeroes each 4 KiB page): 220k page faults and 0.3-0.5 s of a 1.8 s W3 step in the kernel on
-this machine. keep_freed_memory() makes malloc serve such blocks from its heap (one arena, no
-mmap) and never shrink it, so a block one call frees is the next call's, faults already paid.
+by munmap when the call ends, so each call maps fresh pages and the kernel faults every one in:
+219k faults of 4 KiB pages and 0.3-0.5 s of a 1.8-2.4 s W3 step on this machine. The modes:
 
-Why it is not the default (benchmarks/host_memory.py, W3 without shared prompts, 16 steps on one
-core; median step, minor faults a step, resident memory first -> last step):
-- one device: 1.86 s, 219k faults, 1.7 GB with malloc as it is; 1.45 s, 0 faults, but
-  1.6 -> 3.4 GB kept: the heap fragments, and the steps that grow it fault fresh pages in, which
-  costs far more on this VM than recycled mmap pages;
-- the 2 x 2 mesh (four devices' programs allocate at once): 2.11 s, 1.8 GB as it is; kept,
-  1.93 s but 3.0 -> 7.8 GB, with steps of 3.3-4.5 s whenever the heap grows.
-So it suits long single-device CPU runs with memory to spare. Call it before JAX starts its CPU
-backend (meshes.prepare_cpu_devices does), as threads choose their malloc arena when they first
-allocate.
+- huge (the default): glibc's tunable glibc.malloc.hugetlb=1 (glibc >= 2.35) advises the kernel to
+  back such blocks with transparent huge pages (where the kernel offers them: "always" or
+  "madvise" in /sys/kernel/mm/transparent_hugepage/enabled), so a call faults 2 MiB pages in, 512x
+  fewer faults, and memory is returned as before. benchmarks/host_memory.py (W3 without shared
+  prompts, one device): ~219k -> ~1k faults a step, the step 12-15% faster, resident memory
+  unchanged. glibc reads tunables only when a process starts, so restart_with_huge_pages() re-runs
+  a program's command line with it (the CLI's first step); child processes inherit it. In a
+  notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
+- keep: keep_freed_memory() makes malloc serve such blocks from its heap (one arena, no mmap) and
+  never shrink it, so a block one call frees is the next call's, faults already paid: one device
+  1.86 -> 1.45 s a step, but the heap fragments (1.6 -> 3.4 GB after 16 steps; on a 2 x 2 mesh,
+  where four devices' programs allocate at once, 3.0 -> 7.8 GB, with 3.3-4.5 s steps whenever it
+  grows). It suits long single-device CPU runs with memory to spare. Call it before JAX starts its
+  CPU backend (meshes.prepare_cpu_devices does), as threads choose their malloc arena when they
+  first allocate.
+- system: malloc as glibc sets it up.
 """
 import ctypes
 import os
 import platform
+import sys
 
+from jaxrl_hex.errors import UserError
+
+MODES = ("huge", "keep", "system")
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 # glibc's mallopt(3) parameters
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 
 
+def malloc_mode() -> str:
+  mode = os.environ.get("JAXRL_HEX_MALLOC") or "huge"
+  if mode not in MODES:
+    raise UserError(
+        f"JAXRL_HEX_MALLOC={mode!r} is not a mode; use one of {', '.join(MODES)} (jaxrl_hex/host_memory.py)")
+  return mode
+
+
+def _glibc_version() -> tuple:
+  name, version = platform.libc_ver()
+  return tuple(int(p) for p in version.split(".")[:2]) if name == "glibc" and version else ()
+
+
+def kernel_offers_huge_pages(setting_file: str = THP_SETTING) -> bool:
+  """Whether the kernel backs advised memory with transparent huge pages ("[always]" or "[madvise]")."""
+  try:
+    with open(setting_file) as f:
+      return "[never]" not in f.read()
+  except OSError:
+    return False
+
+
+def with_huge_pages(env: dict) -> dict:
+  """env plus glibc's huge-page tunable, after any tunables it already sets."""
+  tunables = env.get("GLIBC_TUNABLES", "")
+  if HUGE_PAGES_TUNABLE in tunables.split(":"):
+    return dict(env)
+  return dict(env, GLIBC_TUNABLES=f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables else HUGE_PAGES_TUNABLE)
+
+
+def huge_pages_pending() -> bool:
+  """Mode huge, a glibc and kernel that can serve it, and this process started without it."""
+  return (malloc_mode() == "huge" and _glibc_version() >= (2, 35) and kernel_offers_huge_pages() and
+          with_huge_pages(os.environ) != dict(os.environ))
+
+
+def restart_with_huge_pages():
+  """Re-run this process's command line with the tunable where huge_pages_pending(): call it first
+  thing in a program's entry point (it replaces the process; nothing before it is kept)."""
+  if huge_pages_pending():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], with_huge_pages(os.environ))
+
+
 def keep_freed_memory() -> bool:
   """Under JAXRL_HEX_MALLOC=keep (glibc only), tune malloc as the module says; -> whether it did."""
-  if os.environ.get("JAXRL_HEX_MALLOC", "system") != "keep" or platform.libc_ver()[0] != "glibc":
+  if malloc_mode() != "keep" or not _glibc_version():
     return False
   libc = ctypes.CDLL("libc.so.6")
   # one arena: a thread's own arena would still mmap a block larger than its 64 MB heaps;

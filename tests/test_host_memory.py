@@ -1,16 +1,21 @@
-"""host_memory: under JAXRL_HEX_MALLOC=keep, a jitted program's 64 MB temporary is an earlier
-call's memory (no page faults); with malloc as it is (the default), every call faults it in afresh."""
+"""host_memory: a jitted program's 64 MB temporary is faulted in as 2 MiB pages by default (huge:
+the CLI restarts itself with glibc's tunable), from an earlier call's memory under keep, and as
+16,384 pages of 4 KiB on every call with malloc as glibc sets it up (system)."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 from support import ROOT
+
+from jaxrl_hex import host_memory
 
 # A program whose only large buffer is its temporary: [8192, 2048] fp32 between two matmuls.
 PROGRAM = """
-import json, resource, sys
-from jaxrl_hex.host_memory import keep_freed_memory
+import json, os, resource, sys
+from jaxrl_hex.host_memory import keep_freed_memory, restart_with_huge_pages
+restart_with_huge_pages()  # as the CLI's entry point does
 kept = keep_freed_memory()  # before JAX's CPU backend starts, as meshes.prepare_cpu_devices calls it
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w, v: (x @ w) @ v)
@@ -20,23 +25,55 @@ for _ in range(8):
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   f(x, w, v).block_until_ready()
   faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"kept": kept, "faults": faults}))
+print(json.dumps({"kept": kept, "faults": faults, "tunables": os.environ.get("GLIBC_TUNABLES", "")}))
 """
+TEMP_PAGES = 8192 * 2048 * 4 // 4096  # 16,384 pages of 4 KiB
 
 
 def _faults(malloc: str) -> dict:
-  env = dict(os.environ, JAXRL_HEX_MALLOC=malloc, PYTHONPATH=ROOT)
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  env.update(JAXRL_HEX_MALLOC=malloc, PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_the_default_restarts_with_huge_pages_and_faults_512x_fewer_pages():
+  if not (host_memory.kernel_offers_huge_pages() and host_memory._glibc_version() >= (2, 35)):
+    pytest.skip("this kernel or glibc offers no transparent huge pages")
+  huge, system = _faults(""), _faults("system")
+  assert huge["tunables"] == host_memory.HUGE_PAGES_TUNABLE and system["tunables"] == ""
+  assert not huge["kept"] and not system["kept"]
+  # malloc as it is: each call maps the temporary afresh and faults in every 4 KiB page of it
+  assert min(system["faults"][1:]) >= TEMP_PAGES
+  # huge: still mapped afresh, but 32 faults of 2 MiB cover it (the rest: the program's small buffers)
+  assert max(huge["faults"][1:]) < TEMP_PAGES // 20, huge
+
+
 def test_freed_buffers_are_reused_without_page_faults():
-  kept, system = _faults("keep"), _faults("")
-  temp_pages = 8192 * 2048 * 4 // 4096  # 16,384 pages of 4 KiB
-  assert kept["kept"] and not system["kept"]
-  # malloc as it is: each call maps the temporary afresh and faults in every page of it
-  assert min(system["faults"][1:]) >= temp_pages
+  kept = _faults("keep")
+  assert kept["kept"] and kept["tunables"] == ""
   # kept: a later call reuses the temporary's pages. Not every one: this VM's memory manager takes
   # idle pages back from a process now and then (all but one call in a loaded CI run), whatever
   # malloc does; with malloc as it is, no call can.
-  assert min(kept["faults"][1:]) < temp_pages // 20, kept
+  assert min(kept["faults"][1:]) < TEMP_PAGES // 20, kept
+
+
+def test_the_tunable_joins_the_ones_set_once(monkeypatch):
+  assert host_memory.with_huge_pages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+  env = host_memory.with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"})
+  assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "PATH": "/bin"}
+  assert host_memory.with_huge_pages(env) == env
+  monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])
+  assert not host_memory.huge_pages_pending()  # already started with it: no restart, no loop
+  monkeypatch.setenv("JAXRL_HEX_MALLOC", "system")
+  monkeypatch.delenv("GLIBC_TUNABLES")
+  assert not host_memory.huge_pages_pending()
+
+
+def test_an_unknown_mode_names_the_variable_and_the_modes():
+  out = subprocess.run([sys.executable, "-m", "jaxrl_hex.cli", "--version"],
+                       env=dict(os.environ, JAXRL_HEX_MALLOC="huge-pages",
+                                PYTHONPATH=ROOT), capture_output=True, text=True)
+  assert out.returncode == 2
+  assert out.stderr.strip() == ("jaxrl-hex: error: JAXRL_HEX_MALLOC='huge-pages' is not a mode; use one of huge, keep, "
+                                "system (jaxrl_hex/host_memory.py)")

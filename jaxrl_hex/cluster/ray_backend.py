@@ -98,10 +98,20 @@ def _unwrap(error):
   return error
 
 
+def actor_options(spec, environ=os.environ, **extra) -> dict:
+  """Ray options of a pool's worker actors. Workers on every node start with the driver's glibc
+  tunables (host_memory's huge pages), which glibc reads only when a process starts."""
+  options = {"num_cpus": 0, **extra, **spec.ray_options}  # scheduling only; pinning is `affinity`
+  if environ.get("GLIBC_TUNABLES"):
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {"GLIBC_TUNABLES": environ["GLIBC_TUNABLES"], **runtime_env.get("env_vars", {})}
+    options["runtime_env"] = runtime_env
+  return options
+
+
 def _actor(cls, spec, **extra):
   import ray
-  options = {"num_cpus": 0, **extra, **spec.ray_options}  # scheduling only; pinning is `affinity`
-  return ray.remote(cls).options(**options)
+  return ray.remote(cls).options(**actor_options(spec, **extra))
 
 
 class RayTrainSide:

@@ -136,6 +136,42 @@ def test_direct_sync_goes_through_shared_memory_where_it_can(ray_session, monkey
     direct_transport("shared_memory", one_host, 16 << 20)
 
 
+def test_worker_actors_start_with_the_drivers_glibc_tunables(ray_session, monkeypatch):
+  """host_memory's huge pages reach workers on every node, not only the ones this driver started:
+  glibc reads GLIBC_TUNABLES when a process starts. A mesh file's own runtime_env is kept."""
+  import dataclasses
+
+  import ray
+
+  from jaxrl_hex.cluster.ray_backend import _actor, actor_options
+  from jaxrl_hex.meshes import load_mesh_file
+  spec = load_mesh_file(RAY_MESH).pools["rollout"]
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+
+  class Probe:
+
+    def environ(self):
+      return open("/proc/self/environ", "rb").read().split(b"\0")
+
+  probe = _actor(Probe, spec).remote()
+  assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in ray.get(probe.environ.remote())
+  ray.kill(probe)
+  own = dataclasses.replace(spec, ray_options={"num_gpus": 1, "runtime_env": {"env_vars": {"A": "1"}, "pip": ["x"]}})
+  assert actor_options(own, {"GLIBC_TUNABLES": "t=1"}, max_restarts=0) == {
+      "num_cpus": 0,
+      "max_restarts": 0,
+      "num_gpus": 1,
+      "runtime_env": {
+          "env_vars": {
+              "GLIBC_TUNABLES": "t=1",
+              "A": "1"
+          },
+          "pip": ["x"]
+      }
+  }
+  assert actor_options(own, {}) == {"num_cpus": 0, **own.ray_options}
+
+
 def test_hung_rollout_workers_are_replaced_then_the_run_gives_up(ray_session, warm_workdir, tmp_path):
   from jaxrl_hex import commands
   cfg = _ray_cfg(warm_workdir, **{"cluster.worker_timeout_s": 0.01, "cluster.max_restarts": 1, "train.steps": 2})
