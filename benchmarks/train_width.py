@@ -10,7 +10,7 @@ this says how much of W3's distance to its limit is the size of its model.
 Rows per step shrink as the width grows so each step stays a few seconds on one core.
 
   taskset -c 1 python benchmarks/train_width.py [--layout 1+1|2x2] [--rounds 2] [--readme]
-      ->  benchmarks/out/train_width_LAYOUT_MALLOC.json  (MALLOC: JAXRL_HEX_MALLOC, system or keep)
+      ->  benchmarks/out/train_width_LAYOUT_MALLOC.json  (MALLOC: JAXRL_HEX_MALLOC: huge, keep or system)
   --readme rewrites the table in benchmarks/README.md from every such JSON present.
 """
 import argparse
@@ -23,6 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import train_vs_tunix as w3  # noqa: E402  (sets up the CPU devices first)
+
+from jaxrl_hex.host_memory import malloc_mode  # noqa: E402
 
 # (d_model, sequences): sequences of 96 tokens (32 prompt + 64 completion), as W3
 WIDTHS = ((256, 64), (512, 32), (1024, 16))
@@ -64,7 +66,7 @@ def main():
         f"{row['of_limit']:.0%} like for like ({row['of_limit_shared_prompts']:.0%} with shared prompts), "
         f"step {row['step_s']:.2f} s, matmuls at {row['matmul_gflops_per_s']:.0f} GFLOP/s", flush=True)
   os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-  malloc = os.environ.get("JAXRL_HEX_MALLOC", "system")
+  malloc = malloc_mode()
   with open(os.path.join(HERE, "out", f"train_width_{args.layout}_{malloc}.json"), "w") as f:
     json.dump(dict(layout=args.layout, malloc=malloc, widths=rows), f, indent=1)
   if args.readme:

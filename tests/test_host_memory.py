@@ -63,6 +63,8 @@ def test_the_tunable_joins_the_ones_set_once(monkeypatch):
   env = host_memory.with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"})
   assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "PATH": "/bin"}
   assert host_memory.with_huge_pages(env) == env
+  said = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}  # the user's own choice stands
+  assert host_memory.with_huge_pages(said) == said
   monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])
   assert not host_memory.huge_pages_pending()  # already started with it: no restart, no loop
   monkeypatch.setenv("JAXRL_HEX_MALLOC", "system")
