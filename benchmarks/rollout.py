@@ -350,8 +350,11 @@ def main(argv=None):
                   help="ours: the model's layers stacked and run by one scan (model.scan_layers)")
   ap.add_argument("--json", action="store_true", help="print one JSON object (the default prints a line)")
   args = ap.parse_args(argv)
-  if args.engine == "tunix" and os.path.realpath(sys.prefix) != os.path.realpath(
-      os.path.dirname(os.path.dirname(TUNIX_PYTHON))):
+  in_tunix_venv = os.path.realpath(sys.prefix) == os.path.realpath(os.path.dirname(os.path.dirname(TUNIX_PYTHON)))
+  if not in_tunix_venv:  # (that venv has no jaxrl_hex; it inherits the tunable from this process)
+    from jaxrl_hex.host_memory import restart_with_huge_pages
+    restart_with_huge_pages()  # glibc huge pages, as the jaxrl-hex program runs (jaxrl_hex/host_memory.py)
+  if args.engine == "tunix" and not in_tunix_venv:
     if not os.path.exists(TUNIX_PYTHON):
       raise SystemExit(f"{TUNIX_PYTHON} is missing; run: bash benchmarks/setup_tunix.sh")
     return subprocess.call([TUNIX_PYTHON, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
@@ -385,6 +388,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  from jaxrl_hex.host_memory import restart_with_huge_pages
-  restart_with_huge_pages()  # glibc huge pages, as the jaxrl-hex program runs (jaxrl_hex/host_memory.py)
   sys.exit(main())

@@ -10,9 +10,10 @@ by munmap when the call ends, so each call maps fresh pages and the kernel fault
   "madvise" in /sys/kernel/mm/transparent_hugepage/enabled), so a call faults 2 MiB pages in, 512x
   fewer faults, and memory is returned as before. benchmarks/host_memory.py (W3 without shared
   prompts): ~219k -> ~1k faults a step, the step 1.2x faster on one device and on 2 x 2, resident
-  memory unchanged. A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb is left as it is. glibc reads tunables only when a process starts, so restart_with_huge_pages() re-runs
-  a program's command line with it (the CLI's first step); child processes inherit it. In a
-  notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
+  memory unchanged. glibc reads tunables only when a process starts, so restart_with_huge_pages()
+  re-runs a program's command line with it (the CLI's first step); child processes inherit it. In
+  a notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
+  A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb is left as it is.
 - keep: keep_freed_memory() makes malloc serve such blocks from its heap (one arena, no mmap) and
   never shrink it, so a block one call frees is the next call's, faults already paid: one device
   1.86 -> 1.45 s a step, but the heap fragments (1.6 -> 3.4 GB after 16 steps; on a 2 x 2 mesh,
