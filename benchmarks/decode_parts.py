@@ -115,13 +115,9 @@ def main():
          str(args.rounds), "--part", part], capture_output=True, text=True, check=True)
     rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(json.dumps(rows[-1]), flush=True)
-  os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-  with open(os.path.join(HERE, "out", "decode_parts.json"), "w") as f:
-    json.dump(rows, f, indent=2)
-  print(table(rows))
-  if args.readme:
-    from readme_section import write_section
-    write_section("decode-parts", table(rows), "What a rollout's parts cost (benchmarks/decode_parts.py)")
+  from readme_section import report  # benchmarks/ is on the path when run as a script
+  report(os.path.join(HERE, "out", "decode_parts.json"), rows, table(rows), args.readme, "decode-parts",
+         "What a rollout's parts cost (benchmarks/decode_parts.py)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ environment's worker threads. In flight: sampled tokens per decode step.
   python benchmarks/episodes.py [--readme]    # ~2.5 min of CPU time; benchmarks/out/episodes.json
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -192,7 +191,7 @@ def table(result) -> str:
 
 
 def main():
-  from readme_section import write_section  # benchmarks/ is on the path when run as a script
+  from readme_section import report  # benchmarks/ is on the path when run as a script
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--episodes", type=int, default=64)
   ap.add_argument("--group", type=int, default=4, help="episodes per prompt")
@@ -206,13 +205,8 @@ def main():
   ap.add_argument("--readme", action="store_true", help="rewrite the table in benchmarks/README.md")
   args = ap.parse_args()
   result = measure(args)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  text = table(result)
-  print(text)
-  if args.readme:
-    write_section("episodes", text, "Multi-turn episodes: KV reuse across turns (benchmarks/episodes.py, issue 15)")
+  report(args.out, result, table(result), args.readme, "episodes",
+         "Multi-turn episodes: KV reuse across turns (benchmarks/episodes.py, issue 15)")
 
 
 if __name__ == "__main__":

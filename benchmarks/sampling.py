@@ -115,13 +115,10 @@ def main():
     for vocab in VOCABS:
       results.append(measure(args.rows, vocab, args.repeats if not top_k else max(3, args.repeats // 10), top_k))
       print(json.dumps(results[-1]), flush=True)
-  os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-  with open(os.path.join(HERE, "out", "sampling.json"), "w") as f:
-    json.dump(dict(jax=jax.__version__, device=jax.devices()[0].platform, results=results), f, indent=2)
-  print(table(results))
-  if args.readme:
-    from readme_section import write_section
-    write_section("sampling", table(results), "A decode step's draw (benchmarks/sampling.py)")
+  from readme_section import report  # benchmarks/ is on the path when run as a script
+  report(os.path.join(HERE, "out", "sampling.json"),
+         dict(jax=jax.__version__, device=jax.devices()[0].platform, results=results), table(results), args.readme,
+         "sampling", "A decode step's draw (benchmarks/sampling.py)")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ by munmap when the call ends, so each call maps fresh pages and the kernel fault
 """
 import ctypes
 import os
-import platform
 import sys
 
 from jaxrl_hex.errors import UserError
@@ -46,8 +45,13 @@ def malloc_mode() -> str:
 
 
 def _glibc_version() -> tuple:
-  name, version = platform.libc_ver()
-  return tuple(int(p) for p in version.split(".")[:2]) if name == "glibc" and version else ()
+  """(major, minor) of the glibc this process runs on, () elsewhere (the C library's own answer:
+  platform.libc_ver() reads through the Python binary instead)."""
+  try:
+    name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+  except (AttributeError, ValueError, OSError):  # no confstr, or no such name: not glibc
+    return ()
+  return tuple(int(p) for p in version.split(".")[:2]) if name == "glibc" else ()
 
 
 def kernel_offers_huge_pages() -> bool:
@@ -69,8 +73,8 @@ def with_huge_pages(env: dict) -> dict:
 
 def huge_pages_pending() -> bool:
   """Mode huge, a glibc and kernel that can serve it, and this process started without it."""
-  return (malloc_mode() == "huge" and _glibc_version() >= (2, 35) and kernel_offers_huge_pages() and
-          with_huge_pages(os.environ) != dict(os.environ))
+  return (malloc_mode() == "huge" and with_huge_pages(os.environ) != dict(os.environ) and
+          _glibc_version() >= (2, 35) and kernel_offers_huge_pages())
 
 
 def restart_with_huge_pages():
