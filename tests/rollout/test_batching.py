@@ -200,6 +200,24 @@ def test_a_decode_step_writes_its_cache_in_place_on_either_layout(pools, weights
     assert_parity(policy, {0: params}, samples)
 
 
+def test_a_prefill_splits_its_prompt_rows_over_the_data_axis(pools, weights):
+  """The prompt rows arrive replicated; the model's activations take the pool's batch axes, so
+  on the rollout pool (data 2 x tensor 2) each device projects half of them (unconstrained,
+  every data shard ran all rows: W1's prefill on 2 x 2 at 0.41 of its matmul chain), and the
+  slots, which take rows of either half, still decode as the trainer scores."""
+  policy, params, _ = weights
+  engine = make_engine(pools, policy, slots=4)
+  engine.load_weights(0, params)
+  samples = run(engine, [Request("12+34=", n=2), Request("7=", max_tokens=5), Request("9+1=", max_tokens=6)])
+  assert sorted(len(s.tokens) for s in samples) == [5, 6, 8, 8]
+  assert_parity(policy, {0: params}, samples)
+  (n_b, p_b, _), = [key[1:] for key in engine._fns if key[0] == "prefill"]
+  hlo = engine._fns[("prefill", n_b, p_b, _)].as_text()
+  # the query projection's rows on each device: [tokens, heads x head_dim / tensor]
+  rows = {int(m) for m in re.findall(r"= f32\[(\d+),16\]\S* dot\(", hlo)}
+  assert n_b == 4 and rows == {n_b * p_b // 2}, (n_b, p_b, rows)
+
+
 def test_a_call_draws_its_steps_uniforms_before_its_loop_as_each_step_would(pools, weights):
   """A slot's token c is drawn with fold_in(key, c) however many steps a call runs (slots that
   stop mid-call, refills): the same samples at 1 and 5 steps a call, on the ring and paged; and
