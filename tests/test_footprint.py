@@ -165,6 +165,9 @@ def test_the_trainer_runs_the_programs_the_preflight_compiled(pools, setup, capl
   trainer = Trainer(policy, pool, tx, objective, params, ref_params=params if cfg.algo.kl_coef > 0 else None)
   with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
     trainer.step(footprint.full_batch(256, 64, 6, group_size=8))
-  hits = [r.getMessage() for r in caplog.records if "Persistent compilation cache hit for 'jit_run'" in r.getMessage()]
-  misses = [r.getMessage() for r in caplog.records if "CACHE MISS for 'jit_run'" in r.getMessage()]
+  logged = lambda event: [
+      r.getMessage() for r in caplog.records
+      if any(f"{event} '{name}'" in r.getMessage() for name in ("jit_start", "jit__update"))
+  ]
+  hits, misses = logged("Persistent compilation cache hit for"), logged("CACHE MISS for")
   assert len(hits) == 2 and not misses, (hits, misses)  # the start pass and the update

@@ -8,7 +8,8 @@ and whole over `fsdp`: each fsdp device then computes all of its group's tokens 
 ("batch", ...) keeps every batch axis on the tokens.
 
 The model calls `constrain(x, axes)`; it does nothing unless a caller tracing the model has
-entered `activation_sharding(to_sharding)`, so the model never names a mesh.
+entered `activation_sharding(to_sharding)` (or jits a function wrapped by `traced_under`), so the
+model never names a mesh.
 """
 import contextlib
 import contextvars
@@ -26,6 +27,18 @@ def activation_sharding(to_sharding):
     yield
   finally:
     _TO_SHARDING.reset(token)
+
+
+def traced_under(to_sharding, fn):
+  """fn, run under activation_sharding(to_sharding) whenever it is traced (wrap it before jit).
+  It keeps fn's name (a partial's function's): profiles and HLO dumps name programs by it."""
+
+  def run(*args, **kwargs):
+    with activation_sharding(to_sharding):
+      return fn(*args, **kwargs)
+
+  run.__name__ = run.__qualname__ = getattr(fn, "func", fn).__name__
+  return run
 
 
 def logical_sharding(axes, shape):

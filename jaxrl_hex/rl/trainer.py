@@ -24,7 +24,7 @@ import optax
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.models import lora
 from jaxrl_hex.models.policy import Policy
-from jaxrl_hex.models.sharding import activation_sharding
+from jaxrl_hex.models.sharding import traced_under
 from jaxrl_hex.rl import packing
 from jaxrl_hex.rl.batch import TrainBatch
 from jaxrl_hex.rl.layout import Rows, token_logprobs
@@ -130,9 +130,9 @@ class Trainer:
     models = (policy, self.critic)
     self._start = start_program(pool, objective, models)
     self._update = update_program(pool, objective, models, self.tx, self.critic_tx, state_shardings)
-    self._gradients = jax.jit(_on(pool, functools.partial(_accumulate, objective, models)),
+    self._gradients = jax.jit(traced_under(pool.activation_sharding, functools.partial(_accumulate, objective, models)),
                               static_argnames=("num_seqs",))
-    self._score = jax.jit(_on(pool, functools.partial(token_logprobs, policy)))
+    self._score = jax.jit(traced_under(pool.activation_sharding, functools.partial(token_logprobs, policy)))
 
   def whole(self, params=None) -> dict:
     """The whole model's params: `params` (default the trained ones) with the frozen base."""
@@ -247,19 +247,9 @@ def step_inputs(pool, layout: packing.Layout, batch: TrainBatch, place=jax.devic
   return rows, per_seq, put(layout.slot, ("batch", "length")), put(layout.minibatch_of, ("batch",))
 
 
-def _on(pool, fn):
-  """fn traced with the pool's activation shardings (models.sharding)."""
-
-  def run(*args, **kwargs):
-    with activation_sharding(pool.activation_sharding):
-      return fn(*args, **kwargs)
-
-  return run
-
-
 def start_program(pool, objective, models):
   """The jitted start pass: StartInputs -> (TokenData, metrics); models = (policy, critic or None)."""
-  return jax.jit(_on(pool, functools.partial(objective.start, *models)))
+  return jax.jit(traced_under(pool.activation_sharding, functools.partial(objective.start, *models)))
 
 
 def update_program(pool, objective, models, tx, critic_tx, state_shardings):
@@ -268,8 +258,8 @@ def update_program(pool, objective, models, tx, critic_tx, state_shardings):
   is donated (not the frozen base) and its output shardings pinned to `state_shardings` (the four states' shardings),
   since XLA may otherwise pick new layouts for it. Built from shardings alone, so a footprint
   can compile it without params (jaxrl_hex.footprint)."""
-  return jax.jit(_on(pool, functools.partial(_update, objective, models, tx, critic_tx)), donate_argnums=(0, 1, 2, 3),
-                 static_argnames=("num_seqs",), out_shardings=(*state_shardings, None))
+  return jax.jit(traced_under(pool.activation_sharding, functools.partial(_update, objective, models, tx, critic_tx)),
+                 donate_argnums=(0, 1, 2, 3), static_argnames=("num_seqs",), out_shardings=(*state_shardings, None))
 
 
 def _accumulate(objective, models, params, critic_params, frozen, rows, data, m, version, num_seqs):
