@@ -16,9 +16,9 @@ kernel's tile with id 0; the kernels let padding queries (id 0) see padding keys
 outputs are set to zeros, as the portable path gives queries that see nothing (their zero output
 gradient then gives the padding keys none either). Both kernels have their own backward pass.
 
-Under a mesh (a caller that entered models.sharding.activation_sharding, as the trainer does) a
-kernel runs on each device's part in a shard_map over the batch and KV-head axes: XLA cannot
-partition a kernel, and would gather its inputs whole onto every device.
+Under a mesh (a caller that entered models.sharding.activation_sharding, as the trainer and the
+engine do) a kernel runs on each device's part in a shard_map over the batch and KV-head axes: XLA
+cannot partition a kernel, and would gather its inputs whole onto every device.
 """
 import functools
 

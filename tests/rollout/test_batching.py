@@ -218,6 +218,21 @@ def test_a_prefill_splits_its_prompt_rows_over_the_data_axis(pools, weights):
   assert n_b == 4 and rows == {n_b * p_b // 2}, (n_b, p_b, rows)
 
 
+def test_a_prefill_on_a_mesh_runs_the_attention_kernel_on_each_device(pools):
+  """With model.attention_kernel=pallas (what auto picks on GPU and TPU) a prefill's attention
+  runs the kernel in a shard_map over each device's rows and KV heads (XLA cannot partition a
+  kernel; with no activation sharding the engine ran it whole on every device), on CPU in
+  interpret mode, and the samples score as the trainer's portable path does."""
+  kernel, portable = (Policy.build(model_config(**dict(CFG, attention_kernel=k))) for k in ("pallas", "portable"))
+  params = kernel.init(0, pools["rollout"].shardings_for(kernel.logical_axes(), kernel.shapes()))
+  engine = make_engine(pools, kernel, slots=4)
+  engine.load_weights(0, params)
+  samples = run(engine, [Request("12+34=", n=2), Request("7=", max_tokens=5), Request("9+1=", max_tokens=6)])
+  assert_parity(portable, {0: params}, samples)
+  prefill, = [program for key, program in engine._fns.items() if key[0] == "prefill"]
+  assert 'op_name="jit(prefill)/shard_map/jit(mha)' in prefill.as_text()  # (Pallas's Triton attention, mha)
+
+
 def test_a_call_draws_its_steps_uniforms_before_its_loop_as_each_step_would(pools, weights):
   """A slot's token c is drawn with fold_in(key, c) however many steps a call runs (slots that
   stop mid-call, refills): the same samples at 1 and 5 steps a call, on the ring and paged; and
