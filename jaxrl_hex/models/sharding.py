@@ -37,7 +37,7 @@ def traced_under(to_sharding, fn):
     with activation_sharding(to_sharding):
       return fn(*args, **kwargs)
 
-  run.__name__ = run.__qualname__ = getattr(fn, "func", fn).__name__
+  run.__name__ = run.__qualname__ = getattr(getattr(fn, "func", fn), "__name__", "program")
   return run
 
 
