@@ -14,6 +14,10 @@ by munmap when the call ends, so each call maps fresh pages and the kernel fault
   re-runs a program's command line with it (the CLI's first step); child processes inherit it. In
   a notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
   A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb is left as it is.
+  The whole RL step is another matter: W4 (benchmarks/train_vs_tunix.py --only w4, three
+  alternating pairs of processes, session 31) ran 1.2-1.7x slower with it than with `system`;
+  benchmarks/README.md's W4 section has the runs. For `jaxrl-hex train`, set
+  JAXRL_HEX_MALLOC=system until the default is settled.
 - keep: keep_freed_memory() makes malloc serve such blocks from its heap (one arena, no mmap) and
   never shrink it, so a block one call frees is the next call's, faults already paid: one device
   1.86 -> 1.45 s a step, but the heap fragments (1.6 -> 3.4 GB after 16 steps; on a 2 x 2 mesh,
