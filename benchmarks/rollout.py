@@ -353,7 +353,7 @@ def main(argv=None):
   in_tunix_venv = os.path.realpath(sys.prefix) == os.path.realpath(os.path.dirname(os.path.dirname(TUNIX_PYTHON)))
   if not in_tunix_venv:  # (that venv has no jaxrl_hex; it inherits the tunable from this process)
     from jaxrl_hex.host_memory import restart_with_huge_pages
-    restart_with_huge_pages()  # glibc huge pages, as the jaxrl-hex program runs (jaxrl_hex/host_memory.py)
+    restart_with_huge_pages()  # under JAXRL_HEX_MALLOC=huge, as the jaxrl-hex program does (jaxrl_hex/host_memory.py)
   if args.engine == "tunix" and not in_tunix_venv:
     if not os.path.exists(TUNIX_PYTHON):
       raise SystemExit(f"{TUNIX_PYTHON} is missing; run: bash benchmarks/setup_tunix.sh")

@@ -85,5 +85,5 @@ def main():
 
 if __name__ == "__main__":
   from jaxrl_hex.host_memory import restart_with_huge_pages
-  restart_with_huge_pages()  # glibc huge pages, as the jaxrl-hex program runs (jaxrl_hex/host_memory.py)
+  restart_with_huge_pages()  # under JAXRL_HEX_MALLOC=huge, as the jaxrl-hex program does (jaxrl_hex/host_memory.py)
   main()

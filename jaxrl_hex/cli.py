@@ -66,7 +66,8 @@ def main(argv=None) -> int:
 
 
 def entry():
-  """The `jaxrl-hex` program: glibc's huge pages first (host_memory), then the command."""
+  """The `jaxrl-hex` program: under JAXRL_HEX_MALLOC=huge, a restart with glibc's huge pages first
+  (host_memory), then the command."""
   try:
     restart_with_huge_pages()
   except UserError as e:

@@ -1,23 +1,26 @@
-"""Host memory for XLA:CPU (JAXRL_HEX_MALLOC=huge|keep|system): how a program's temporaries get pages.
+"""Host memory for XLA:CPU (JAXRL_HEX_MALLOC=system|huge|keep): how a program's temporaries get pages.
 
 XLA:CPU takes every buffer of a program from glibc's malloc, and a program's temporaries from one
 block per call (a W3 train step's: 897 MB). glibc serves a block that large by mmap and returns it
 by munmap when the call ends, so each call maps fresh pages and the kernel faults every one in:
 219k faults of 4 KiB pages and 0.3-0.5 s of a 1.8-2.4 s W3 step on this machine. The modes:
 
-- huge (the default): glibc's tunable glibc.malloc.hugetlb=1 (glibc >= 2.35) advises the kernel to
-  back such blocks with transparent huge pages (where the kernel offers them: "always" or
-  "madvise" in /sys/kernel/mm/transparent_hugepage/enabled), so a call faults 2 MiB pages in, 512x
-  fewer faults, and memory is returned as before. benchmarks/host_memory.py (W3 without shared
-  prompts): ~219k -> ~1k faults a step, the step 1.2x faster on one device and on 2 x 2, resident
-  memory unchanged. glibc reads tunables only when a process starts, so restart_with_huge_pages()
-  re-runs a program's command line with it (the CLI's first step); child processes inherit it. In
-  a notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
+- system (the default): malloc as glibc sets it up.
+- huge: glibc's tunable glibc.malloc.hugetlb=1 (glibc >= 2.35) advises the kernel to back such
+  blocks with transparent huge pages (where the kernel offers them: "always" or "madvise" in
+  /sys/kernel/mm/transparent_hugepage/enabled), so a call faults 2 MiB pages in, 512x fewer
+  faults, and memory is returned as before. It pays where freed memory is reused while it is
+  still the guest's: benchmarks/host_memory.py (W3's train step back to back, no shared prompts)
+  ~219k -> ~1k faults a step, the step 1.2x faster on one device and on 2 x 2. It costs where a
+  VM hands memory that has been free a while back to its host (free page reporting: a
+  virtio_balloon, as on this project's Firecracker machines): a 2 MiB page taken from such memory
+  faults in at 0.2 GB/s against 2.2 GB/s for 4 KiB pages (10 GB/s for a freed page reused at
+  once), and a whole RL step, whose trainer idles while the engine generates, ran 1.2-1.7x
+  slower (W4 on this machine, benchmarks/README.md's W4 section), hence not the default. glibc
+  reads tunables only when a process starts, so restart_with_huge_pages() re-runs a program's
+  command line with it (the CLI's first step); child processes and Ray workers inherit it. In a
+  notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
   A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb is left as it is.
-  The whole RL step is another matter: W4 (benchmarks/train_vs_tunix.py --only w4, three
-  alternating pairs of processes, session 31) ran 1.2-1.7x slower with it than with `system`;
-  benchmarks/README.md's W4 section has the runs. For `jaxrl-hex train`, set
-  JAXRL_HEX_MALLOC=system until the default is settled.
 - keep: keep_freed_memory() makes malloc serve such blocks from its heap (one arena, no mmap) and
   never shrink it, so a block one call frees is the next call's, faults already paid: one device
   1.86 -> 1.45 s a step, but the heap fragments (1.6 -> 3.4 GB after 16 steps; on a 2 x 2 mesh,
@@ -25,7 +28,6 @@ by munmap when the call ends, so each call maps fresh pages and the kernel fault
   grows). It suits long single-device CPU runs with memory to spare. Call it before JAX starts its
   CPU backend (meshes.prepare_cpu_devices does), as threads choose their malloc arena when they
   first allocate.
-- system: malloc as glibc sets it up.
 """
 import ctypes
 import os
@@ -33,7 +35,7 @@ import sys
 
 from jaxrl_hex.errors import UserError
 
-MODES = ("huge", "keep", "system")
+MODES = ("system", "huge", "keep")
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 # glibc's mallopt(3) parameters
@@ -41,7 +43,7 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 
 
 def malloc_mode() -> str:
-  mode = os.environ.get("JAXRL_HEX_MALLOC") or "huge"
+  mode = os.environ.get("JAXRL_HEX_MALLOC") or "system"
   if mode not in MODES:
     raise UserError(
         f"JAXRL_HEX_MALLOC={mode!r} is not a mode; use one of {', '.join(MODES)} (jaxrl_hex/host_memory.py)")

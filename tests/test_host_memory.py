@@ -1,6 +1,6 @@
-"""host_memory: a jitted program's 64 MB temporary is faulted in as 2 MiB pages by default (huge:
-the CLI restarts itself with glibc's tunable), from an earlier call's memory under keep, and as
-16,384 pages of 4 KiB on every call with malloc as glibc sets it up (system)."""
+"""host_memory: a jitted program's 64 MB temporary is faulted in as 16,384 pages of 4 KiB on every
+call by default (system: malloc as glibc sets it up), as 2 MiB pages under huge (the CLI restarts
+itself with glibc's tunable), and from an earlier call's memory under keep."""
 import json
 import os
 import subprocess
@@ -37,10 +37,10 @@ def _faults(malloc: str) -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_default_restarts_with_huge_pages_and_faults_512x_fewer_pages():
+def test_huge_restarts_with_huge_pages_and_faults_512x_fewer_pages_than_the_default():
   if not (host_memory.kernel_offers_huge_pages() and host_memory._glibc_version() >= (2, 35)):
     pytest.skip("this kernel or glibc offers no transparent huge pages")
-  huge, system = _faults(""), _faults("system")
+  huge, system = _faults("huge"), _faults("")
   assert huge["tunables"] == host_memory.HUGE_PAGES_TUNABLE and system["tunables"] == ""
   assert not huge["kept"] and not system["kept"]
   # malloc as it is: each call maps the temporary afresh and faults in every 4 KiB page of it
@@ -59,6 +59,7 @@ def test_freed_buffers_are_reused_without_page_faults():
 
 
 def test_the_tunable_joins_the_ones_set_once(monkeypatch):
+  monkeypatch.setenv("JAXRL_HEX_MALLOC", "huge")
   assert host_memory.with_huge_pages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
   env = host_memory.with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"})
   assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "PATH": "/bin"}
@@ -67,8 +68,10 @@ def test_the_tunable_joins_the_ones_set_once(monkeypatch):
   assert host_memory.with_huge_pages(said) == said
   monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])
   assert not host_memory.huge_pages_pending()  # already started with it: no restart, no loop
-  monkeypatch.setenv("JAXRL_HEX_MALLOC", "system")
   monkeypatch.delenv("GLIBC_TUNABLES")
+  offered = host_memory.kernel_offers_huge_pages() and host_memory._glibc_version() >= (2, 35)
+  assert host_memory.huge_pages_pending() == offered
+  monkeypatch.delenv("JAXRL_HEX_MALLOC")  # the default, system: no restart
   assert not host_memory.huge_pages_pending()
 
 
@@ -77,5 +80,5 @@ def test_an_unknown_mode_names_the_variable_and_the_modes():
                        env=dict(os.environ, JAXRL_HEX_MALLOC="huge-pages",
                                 PYTHONPATH=ROOT), capture_output=True, text=True)
   assert out.returncode == 2
-  assert out.stderr.strip() == ("jaxrl-hex: error: JAXRL_HEX_MALLOC='huge-pages' is not a mode; use one of huge, keep, "
-                                "system (jaxrl_hex/host_memory.py)")
+  assert out.stderr.strip() == ("jaxrl-hex: error: JAXRL_HEX_MALLOC='huge-pages' is not a mode; use one of system, "
+                                "huge, keep (jaxrl_hex/host_memory.py)")
