@@ -15,8 +15,8 @@ by munmap when the call ends, so each call maps fresh pages and the kernel fault
   VM hands memory that has been free a while back to its host (free page reporting: a
   virtio_balloon, as on this project's Firecracker machines): a 2 MiB page taken from such memory
   faults in at 0.2 GB/s against 2.2 GB/s for 4 KiB pages (10 GB/s for a freed page reused at
-  once), and a whole RL step, whose trainer idles while the engine generates, ran 1.2-1.7x
-  slower (W4 on this machine, benchmarks/README.md's W4 section), hence not the default. glibc
+  once), and a whole RL step, whose trainer idles while the engine generates, ran 1.1-1.7x
+  slower (W4 on this machine, benchmarks/README.md's host-memory section), hence not the default. glibc
   reads tunables only when a process starts, so restart_with_huge_pages() re-runs a program's
   command line with it (the CLI's first step); child processes and Ray workers inherit it. In a
   notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
