@@ -1,5 +1,6 @@
-"""What a rollout's parts cost: W1 (benchmarks/rollout.py) on two engines in one process, the second
-compiled with one part of its programs changed, their runs alternating (best of each kept):
+"""What a rollout's parts cost: W1 (or --workload's, benchmarks/rollout.py) on two engines in one
+process, the second compiled with one part of its programs changed, their runs alternating (best of
+each kept):
 
   identical              nothing changed: the noise floor between two engines
   attention 8 columns    every decode call attends to 8 cache columns instead of its span
@@ -12,7 +13,8 @@ compiled with one part of its programs changed, their runs alternating (best of 
 Each change is made where the programs are traced, so the two engines differ in that part only;
 the changed one's outputs are wrong (except identical's), which only its time is read for.
 
-  taskset -c 1 python benchmarks/decode_parts.py [--rounds 6] [--readme]  ->  benchmarks/out/decode_parts.json
+  taskset -c 1 python benchmarks/decode_parts.py [--rounds 6] [--workload W1|W2|W5] [--readme]
+      ->  benchmarks/out/decode_parts.json (decode_parts_W5.json, ...; --readme: W1 only)
 """
 import argparse
 import json
@@ -57,10 +59,10 @@ PARTS = {
 }
 
 
-def measure(part: str, rounds: int) -> dict:
+def measure(part: str, rounds: int, workload: str = "W1") -> dict:
   """A fresh pair of engines for `part` (its change installed first) -> best and median seconds of each."""
   PARTS[part]()
-  w = rollout.workload("W1")
+  w = rollout.workload(workload)
   pool, policy, params = rollout._our_policy()
 
   engine = lambda: rollout.our_engine(w, pool, policy, params)
@@ -83,13 +85,15 @@ def measure(part: str, rounds: int) -> dict:
     times["changed"].append(run(changed, i + 1))
   CHANGED["on"] = False
   best = {k: min(v) for k, v in times.items()}
-  return dict(part=part, plain_s=best["plain"], changed_s=best["changed"], ratio=best["changed"] / best["plain"],
+  return dict(part=part, workload=workload, plain_s=best["plain"], changed_s=best["changed"],
+              ratio=best["changed"] / best["plain"],
               median_ratio=float(np.median(times["changed"]) / np.median(times["plain"])), rounds=rounds)
 
 
-def table(rows) -> str:
+def table(rows, workload="W1") -> str:
   lines = [
-      "| changed part | W1 run, plain (ms) | W1 run, changed (ms) | changed / plain | medians' ratio |",
+      f"| changed part | {workload} run, plain (ms) | {workload} run, changed (ms) | changed / plain | "
+      "medians' ratio |",
       "|---|---|---|---|---|",
   ]
   lines += [
@@ -103,20 +107,26 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=6)
   ap.add_argument("--part", choices=tuple(PARTS), help="this one only, in this process: one JSON line")
+  ap.add_argument("--workload", default="W1", choices=("W1", "W2", "W5"))
   ap.add_argument("--readme", action="store_true", help="write the table into benchmarks/README.md")
   args = ap.parse_args()
+  if args.readme and args.workload != "W1":
+    ap.error("--readme: benchmarks/README.md's table is W1's")
   if args.part:
-    print(json.dumps(measure(args.part, args.rounds)))
+    print(json.dumps(measure(args.part, args.rounds, args.workload)))
     return
   rows = []
   for part in PARTS:  # each in its own process: a change, once installed, stays
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--rounds",
-         str(args.rounds), "--part", part], capture_output=True, text=True, check=True)
+    out = subprocess.run([
+        sys.executable,
+        os.path.abspath(__file__), "--rounds",
+        str(args.rounds), "--part", part, "--workload", args.workload
+    ], capture_output=True, text=True, check=True)
     rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(json.dumps(rows[-1]), flush=True)
   from readme_section import report  # benchmarks/ is on the path when run as a script
-  report(os.path.join(HERE, "out", "decode_parts.json"), rows, table(rows), args.readme, "decode-parts",
+  name = "decode_parts" if args.workload == "W1" else f"decode_parts_{args.workload}"
+  report(os.path.join(HERE, "out", f"{name}.json"), rows, table(rows, args.workload), args.readme, "decode-parts",
          "What a rollout's parts cost (benchmarks/decode_parts.py)")
 
 
