@@ -20,7 +20,8 @@ by munmap when the call ends, so each call maps fresh pages and the kernel fault
   reads tunables only when a process starts, so restart_with_huge_pages() re-runs a program's
   command line with it (the CLI's first step); child processes and Ray workers inherit it. In a
   notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
-  A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb is left as it is.
+  A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb is left as it is. Where the glibc or
+  the kernel cannot serve it, the program says so in one line on stderr and runs on.
 - keep: keep_freed_memory() makes malloc serve such blocks from its heap (one arena, no mmap) and
   never shrink it, so a block one call frees is the next call's, faults already paid: one device
   1.86 -> 1.45 s a step, but the heap fragments (1.6 -> 3.4 GB after 16 steps; on a 2 x 2 mesh,
@@ -77,16 +78,33 @@ def with_huge_pages(env: dict) -> dict:
   return dict(env, GLIBC_TUNABLES=f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables else HUGE_PAGES_TUNABLE)
 
 
+def huge_pages_missing() -> str | None:
+  """Under mode huge in a process started without the tunable, why this machine cannot serve it
+  (None: it can, or nothing is asked)."""
+  if malloc_mode() != "huge" or with_huge_pages(os.environ) == dict(os.environ):
+    return None
+  glibc = _glibc_version()
+  if glibc < (2, 35):
+    return (f"glibc {'.'.join(map(str, glibc))} has no glibc.malloc.hugetlb tunable (2.35 has)"
+            if glibc else "the C library is not glibc")
+  if not kernel_offers_huge_pages():
+    return f"the kernel offers no transparent huge pages ({THP_SETTING} says [never] or is missing)"
+  return None
+
+
 def huge_pages_pending() -> bool:
   """Mode huge, a glibc and kernel that can serve it, and this process started without it."""
-  return (malloc_mode() == "huge" and with_huge_pages(os.environ) != dict(os.environ) and
-          _glibc_version() >= (2, 35) and kernel_offers_huge_pages())
+  return (malloc_mode() == "huge" and with_huge_pages(os.environ) != dict(os.environ) and huge_pages_missing() is None)
 
 
 def restart_with_huge_pages():
   """Re-run this process's command line with the tunable where huge_pages_pending(): call it first
-  thing in a program's entry point (it replaces the process; nothing before it is kept)."""
-  if huge_pages_pending():
+  thing in a program's entry point (it replaces the process; nothing before it is kept). Where
+  mode huge cannot be served, one line on stderr says why and the program runs on as it is."""
+  missing = huge_pages_missing()
+  if missing:
+    print(f"jaxrl-hex: JAXRL_HEX_MALLOC=huge: {missing}; running with malloc as glibc sets it up", file=sys.stderr)
+  elif huge_pages_pending():
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], with_huge_pages(os.environ))

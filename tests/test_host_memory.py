@@ -82,3 +82,23 @@ def test_an_unknown_mode_names_the_variable_and_the_modes():
   assert out.returncode == 2
   assert out.stderr.strip() == ("jaxrl-hex: error: JAXRL_HEX_MALLOC='huge-pages' is not a mode; use one of system, "
                                 "huge, keep (jaxrl_hex/host_memory.py)")
+
+
+def test_huge_on_a_machine_without_it_says_why_and_runs_on(monkeypatch, capsys):
+  monkeypatch.setenv("JAXRL_HEX_MALLOC", "huge")
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  monkeypatch.setattr(host_memory, "_glibc_version", lambda: (2, 31))
+  host_memory.restart_with_huge_pages()  # no restart: it would replace the test's process
+  assert capsys.readouterr().err == ("jaxrl-hex: JAXRL_HEX_MALLOC=huge: glibc 2.31 has no glibc.malloc.hugetlb "
+                                     "tunable (2.35 has); running with malloc as glibc sets it up\n")
+  monkeypatch.setattr(host_memory, "_glibc_version", lambda: ())
+  assert host_memory.huge_pages_missing() == "the C library is not glibc"
+  monkeypatch.setattr(host_memory, "_glibc_version", lambda: (2, 36))
+  monkeypatch.setattr(host_memory, "kernel_offers_huge_pages", lambda: False)
+  assert host_memory.huge_pages_missing().startswith("the kernel offers no transparent huge pages")
+  assert not host_memory.huge_pages_pending()
+  monkeypatch.setenv("GLIBC_TUNABLES", host_memory.HUGE_PAGES_TUNABLE)  # started with it: nothing to say
+  assert host_memory.huge_pages_missing() is None
+  monkeypatch.delenv("GLIBC_TUNABLES")
+  monkeypatch.setenv("JAXRL_HEX_MALLOC", "system")
+  assert host_memory.huge_pages_missing() is None
