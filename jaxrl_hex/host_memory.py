@@ -16,12 +16,13 @@ by munmap when the call ends, so each call maps fresh pages and the kernel fault
   virtio_balloon, as on this project's Firecracker machines): a 2 MiB page taken from such memory
   faults in at 0.2 GB/s against 2.2 GB/s for 4 KiB pages (10 GB/s for a freed page reused at
   once), and a whole RL step, whose trainer idles while the engine generates, ran 1.1-1.7x
-  slower (W4 on this machine, benchmarks/README.md's host-memory section), hence not the default. glibc
-  reads tunables only when a process starts, so restart_with_huge_pages() re-runs a program's
-  command line with it (the CLI's first step); child processes and Ray workers inherit it. In a
-  notebook it applies only if the kernel was started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1.
-  A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb is left as it is. Where the glibc or
-  the kernel cannot serve it, the program says so in one line on stderr and runs on.
+  slower (W4 on this machine, benchmarks/README.md's host-memory section), hence not the
+  default. glibc reads tunables only when a process starts, so restart_with_huge_pages() re-runs
+  a program's command line with it (the CLI's first step); child processes and Ray workers
+  inherit it. In a notebook it applies only if the kernel was started with
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1. A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb
+  is left as it is. Where the glibc or the kernel cannot serve it, the program says so in one
+  line on stderr and runs on.
 - keep: keep_freed_memory() makes malloc serve such blocks from its heap (one arena, no mmap) and
   never shrink it, so a block one call frees is the next call's, faults already paid: one device
   1.86 -> 1.45 s a step, but the heap fragments (1.6 -> 3.4 GB after 16 steps; on a 2 x 2 mesh,
