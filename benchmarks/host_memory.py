@@ -47,8 +47,8 @@ import json, sys
 from jaxrl_hex.host_memory import restart_with_huge_pages
 restart_with_huge_pages()
 sys.path.insert(0, {here!r})
-from train_vs_tunix import ours_w4, w4_task  # the loop loads its task as __main__:w4_task
-print(json.dumps(ours_w4(prompts=8, group=8, prompt=32, new=64, steps={steps}, eta={eta}, layout={layout!r})))
+from train_vs_tunix import W4_WORKLOAD, ours_w4, w4_task  # the loop loads its task as __main__:w4_task
+print(json.dumps(ours_w4(**W4_WORKLOAD, steps={steps}, eta={eta}, layout={layout!r})))
 """
 
 

@@ -204,6 +204,7 @@ def w4_task(config):
   return Task("w4", records[8:], records[:8], lambda prompt, completion, answer: float(len(completion)), IdTokens())
 
 
+W4_WORKLOAD = dict(prompts=8, group=8, prompt=32, new=64)  # 8 prompts x 8 samples, 32 + 64 tokens
 MESH_FILES = {"2x2": "cpu-8.yaml", "1+1": "cpu-1-1.yaml"}  # W4 layouts (Tunix's side: train_tunix_side.LAYOUTS)
 
 
@@ -310,7 +311,7 @@ def main():
             f"{ours['ours_without_shared_prompts']['of_limit']:.0%}), tunix "
             f"{theirs['train_tokens_per_s'] if theirs else float('nan'):.0f}")
   for layout in ("2x2", "1+1") if args.only in (None, "w4") else ():
-    w4 = dict(prompts=8, group=8, prompt=32, new=64, steps=args.steps, layout=layout)
+    w4 = dict(W4_WORKLOAD, steps=args.steps, layout=layout)
     runs = [(ours_w4(**w4), tunix("w4", w4), ours_w4(**w4, eta=1)) for _ in range(args.rounds)]
     sync, theirs, overlapped = (min(side, key=lambda r: r["step_s"]) for side in zip(*runs))
     key = "w4" if layout == "2x2" else "w4_1+1"

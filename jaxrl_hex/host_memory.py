@@ -79,11 +79,13 @@ def with_huge_pages(env: dict) -> dict:
   return dict(env, GLIBC_TUNABLES=f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables else HUGE_PAGES_TUNABLE)
 
 
-def huge_pages_missing() -> str | None:
-  """Under mode huge in a process started without the tunable, why this machine cannot serve it
-  (None: it can, or nothing is asked)."""
-  if malloc_mode() != "huge" or with_huge_pages(os.environ) == dict(os.environ):
-    return None
+def _huge_pages_asked() -> bool:
+  """Mode huge, and this process started without the tunable."""
+  return malloc_mode() == "huge" and with_huge_pages(os.environ) != dict(os.environ)
+
+
+def _unservable() -> str | None:
+  """Why this machine's glibc or kernel cannot serve huge pages (None: they can)."""
   glibc = _glibc_version()
   if glibc < (2, 35):
     return (f"glibc {'.'.join(map(str, glibc))} has no glibc.malloc.hugetlb tunable (2.35 has)"
@@ -93,22 +95,30 @@ def huge_pages_missing() -> str | None:
   return None
 
 
+def huge_pages_missing() -> str | None:
+  """Under mode huge in a process started without the tunable, why this machine cannot serve it
+  (None: it can, or nothing is asked)."""
+  return _unservable() if _huge_pages_asked() else None
+
+
 def huge_pages_pending() -> bool:
   """Mode huge, a glibc and kernel that can serve it, and this process started without it."""
-  return (malloc_mode() == "huge" and with_huge_pages(os.environ) != dict(os.environ) and huge_pages_missing() is None)
+  return _huge_pages_asked() and _unservable() is None
 
 
 def restart_with_huge_pages():
   """Re-run this process's command line with the tunable where huge_pages_pending(): call it first
   thing in a program's entry point (it replaces the process; nothing before it is kept). Where
   mode huge cannot be served, one line on stderr says why and the program runs on as it is."""
-  missing = huge_pages_missing()
+  if not _huge_pages_asked():
+    return
+  missing = _unservable()
   if missing:
     print(f"jaxrl-hex: JAXRL_HEX_MALLOC=huge: {missing}; running with malloc as glibc sets it up", file=sys.stderr)
-  elif huge_pages_pending():
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], with_huge_pages(os.environ))
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], with_huge_pages(os.environ))
 
 
 def keep_freed_memory() -> bool:
