@@ -1,6 +1,7 @@
 """The package's imports follow the layer table in docs/concepts.md: no module imports one above
 its own layer, nothing imports in a circle, and imports of jaxrl_hex modules sit at module level."""
 import ast
+import gc
 import os
 import re
 
@@ -33,10 +34,24 @@ def _modules() -> dict:
   return out
 
 
+def _parse(path):
+  # CPython 3.11 keeps one AST-building depth counter per interpreter. A finalizer the collector
+  # runs mid-parse can parse too (asyncio logging an orphaned orbax task formats a traceback, and
+  # 3.11's traceback parses the line) and leaves the counter off: SystemError "AST constructor
+  # recursion depth mismatch" (cpython gh-106905). With the collector off no finalizer runs.
+  was_on = gc.isenabled()
+  gc.disable()
+  try:
+    return ast.parse(open(path).read())
+  finally:
+    if was_on:
+      gc.enable()
+
+
 def _imports(path, modules):
   """-> [(imported jaxrl_hex module, line, inside a function)], plus [(third-party top name, line)]
   of imports made inside functions."""
-  tree = ast.parse(open(path).read())
+  tree = _parse(path)
   internal, lazy = [], []
 
   def visit(node, in_function):
