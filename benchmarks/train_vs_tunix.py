@@ -70,11 +70,13 @@ def grpo_tokens(rng, seqs, prompt, completion, group=8):
 W3_MESH_FILES = {"1+1": "cpu-1-1.yaml", "2x2": "cpu-8.yaml"}  # W3 layouts: the train pool of each (Tunix: LAYOUTS)
 
 
-def ours_w3(seqs, prompt, completion, share_prompts=True, layout="2x2", model=TINY):
+def ours_w3(seqs, prompt, completion, share_prompts=True, layout="2x2", model=TINY, micro_batch_tokens=0):
   """-> (a function timing one GRPO AdamW step of `model` in seconds, the compiling first step's seconds)."""
   policy = Policy.build(model_config(**model))
   algo = base_config().algo
-  algo.update(dict(loss_agg="token-mean", clip_eps_high=0.2, share_prompts=share_prompts))
+  algo.update(
+      dict(loss_agg="token-mean", clip_eps_high=0.2, share_prompts=share_prompts,
+           micro_batch_tokens=micro_batch_tokens))
   tr = trainer(policy, pools(W3_MESH_FILES[layout])["train"], algo)
   rng = np.random.default_rng(0)
   n, width = seqs, prompt + completion
@@ -137,9 +139,15 @@ def attention_flops(cfg, seqs, width):
   return 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seqs * width * (width + 1) // 2
 
 
+# W3's step in micro-batches of this many tokens (algo.micro_batch_tokens, 4 of 16 sequences):
+# a quarter of the temporaries to fault in a call (see w3_rounds), the same gradients.
+W3_MICRO_BATCH_TOKENS = 1536
+
+
 def w3_rounds(seqs, prompt, completion, rounds, layout, model=TINY):
-  """Our step (with and without shared prompts) and its matmul-rate limit on one layout,
-  interleaved in `rounds` rounds (ours, limit, ours unshared, limit), each program twice in a row,
+  """Our step (with and without shared prompts, and without in micro-batches of
+  W3_MICRO_BATCH_TOKENS) and its matmul-rate limit on one layout, interleaved in `rounds` rounds
+  (ours, limit, ours unshared, limit, ours unshared micro-batched, limit), each program twice in a row,
   as a train loop runs its step; each keeps its best. (Alternating single calls, every call mapped
   its temporaries, 0.9 GB for W3, onto pages this VM had to supply afresh: page faults ~10x
   dearer than a repeated call's, and the unshared step took 2.6 s instead of 1.8.)"""
@@ -149,10 +157,12 @@ def w3_rounds(seqs, prompt, completion, rounds, layout, model=TINY):
   model_flops = 6 * params * tokens + attention_flops(cfg, seqs, width)
   shared, shared_first = ours_w3(seqs, prompt, completion, True, layout, model)
   unshared, unshared_first = ours_w3(seqs, prompt, completion, False, layout, model)
+  micro, micro_first = ours_w3(seqs, prompt, completion, False, layout, model, W3_MICRO_BATCH_TOKENS)
   chain, chain_flops = matmul_chain(cfg, pools(W3_MESH_FILES[layout])["train"], tokens)
-  times = {"ours": [], "unshared": [], "chain": []}
+  times = {"ours": [], "unshared": [], "micro": [], "chain": []}
   for _ in range(rounds):
-    for side, fn in (("ours", shared), ("chain", chain), ("unshared", unshared), ("chain", chain)):
+    for side, fn in (("ours", shared), ("chain", chain), ("unshared", unshared), ("chain", chain), ("micro", micro),
+                     ("chain", chain)):
       times[side] += [fn(), fn()]
   rate = chain_flops / min(times["chain"])
   limit = tokens * rate / model_flops
@@ -171,6 +181,8 @@ def w3_rounds(seqs, prompt, completion, rounds, layout, model=TINY):
   return {
       "ours": side("ours", shared_first, shared_flops),
       "ours_without_shared_prompts": side("unshared", unshared_first, model_flops),
+      "ours_without_shared_prompts_micro_batched": dict(side("micro", micro_first, model_flops),
+                                                        micro_batch_tokens=W3_MICRO_BATCH_TOKENS),
       "limit": {
           "train_tokens_per_s": limit,
           "matmul_gflops_per_s": rate / 1e9,
@@ -263,19 +275,23 @@ def w3_table(results) -> str:
   """The W3 rows of benchmarks/README.md from the JSON (its `train-w3` block)."""
   rows = [
       "| W3 layout | ours, train tokens/s | limit, train tokens/s (matmul rate) | **ours / limit** | "
-      "without shared prompts / limit | Tunix | ours / Tunix |", "|---|---|---|---|---|---|---|"
+      f"without shared prompts / limit | the same in micro-batches of {W3_MICRO_BATCH_TOKENS:,} tokens / limit | "
+      "Tunix | ours / Tunix |", "|---|---|---|---|---|---|---|---|"
   ]
   for layout, name in W3_LAYOUT_NAMES.items():
     r = results.get("w3" if layout == "2x2" else "w3_1+1")
     if r is None:
       continue
     ours, unshared, limit, theirs = r["ours"], r["ours_without_shared_prompts"], r["limit"], r.get("tunix")
+    micro = r.get("ours_without_shared_prompts_micro_batched")
+    micro_cell = f"{micro['of_limit']:.0%} ({micro['train_tokens_per_s']:,.0f})" if micro else "n/a"
     tunix_cell = "n/a" if not theirs else f"{theirs['train_tokens_per_s']:,.0f}" + (
         " (last run's)" if theirs.get("kept_from_last_run") else "")
     ratio = f"{r['ratio_train_tokens_per_s']:.2f}x" if theirs else "n/a"
     rows.append(f"| {name} | {ours['train_tokens_per_s']:,.0f} | {limit['train_tokens_per_s']:,.0f} "
                 f"({limit['matmul_gflops_per_s']:.0f} GFLOP/s) | **{ours['of_limit']:.0%}** | "
-                f"{unshared['of_limit']:.0%} ({unshared['train_tokens_per_s']:,.0f}) | {tunix_cell} | {ratio} |")
+                f"{unshared['of_limit']:.0%} ({unshared['train_tokens_per_s']:,.0f}) | {micro_cell} | {tunix_cell} | "
+                f"{ratio} |")
   return "\n".join(rows)
 
 
@@ -308,7 +324,8 @@ def main():
             f"({ours['ours']['of_limit']:.0%} of the limit {ours['limit']['train_tokens_per_s']:.0f} at "
             f"{ours['limit']['matmul_gflops_per_s']:.0f} GFLOP/s; without shared prompts "
             f"{ours['ours_without_shared_prompts']['train_tokens_per_s']:.0f}, "
-            f"{ours['ours_without_shared_prompts']['of_limit']:.0%}), tunix "
+            f"{ours['ours_without_shared_prompts']['of_limit']:.0%}; micro-batched "
+            f"{ours['ours_without_shared_prompts_micro_batched']['of_limit']:.0%}), tunix "
             f"{theirs['train_tokens_per_s'] if theirs else float('nan'):.0f}")
   for layout in ("2x2", "1+1") if args.only in (None, "w4") else ():
     w4 = dict(W4_WORKLOAD, steps=args.steps, layout=layout)

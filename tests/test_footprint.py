@@ -4,6 +4,7 @@ refusal of a layout that does not fit."""
 import os
 
 import jax
+import ml_collections
 import pytest
 from jax.sharding import PartitionSpec as P
 from support import ROOT, load_config
@@ -61,6 +62,22 @@ def test_train_step_arguments_are_the_sharded_state_and_the_layout(pools, setup)
   assert update.output_bytes >= state
   assert update.temp_bytes > 0 and update.compile_seconds > 0
   assert update.peak_bytes == update.argument_bytes + update.output_bytes + update.temp_bytes - update.alias_bytes
+
+
+def test_micro_batches_shrink_the_update_s_temporaries_to_one_micro_batch_s(pools, setup):
+  """Every micro-batch runs in the accumulation loop, so a step's temporaries are one micro-batch's:
+  two micro-batches need about half a whole batch's (the first run before the loop once took a
+  block as large as the whole batch's beside the loop's)."""
+  cfg, policy, _, tx = setup
+  batch = footprint.full_batch(64, 32, 32, group_size=8)
+  temps = {}
+  for tokens in (0, 2048, 1024):
+    algo = dict(cfg.algo, micro_batch_tokens=tokens)
+    objective = make_rl_loss(ml_collections.ConfigDict(algo), cfg.rollout.temperature)
+    step = footprint.train_step(policy, pools["train"], objective, tx, batch)
+    temps[step["layout"][1]] = step["update"].temp_bytes  # by micro-batches K
+  assert set(temps) == {1, 2, 4}
+  assert temps[2] < 0.6 * temps[1] and temps[4] < 0.6 * temps[2]
 
 
 def test_abstract_optimizer_state_is_where_the_trainer_puts_it(pools, setup):

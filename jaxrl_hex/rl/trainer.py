@@ -280,13 +280,17 @@ def _accumulate(objective, models, params, critic_params, frozen, rows, data, m,
     (loss, metrics), grads = grad_fn(params, critic_params, micro, index)
     return loss, grads, metrics
 
+  count = rows.tokens.shape[1]
+  if count == 1:
+    return one(jax.tree.map(lambda x: x[0], micro_batches), 0)
+  # Every micro-batch runs in the loop, from zeros (0 + x is x, so the sums are those of adding
+  # them in order): its temporaries are then the loop body's alone, one micro-batch's, where the
+  # first micro-batch run before the loop needed a block of its own (W3 with 2: as many page
+  # faults a step as without micro-batches; benchmarks/README.md, W3 against the matmul rate).
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                       jax.eval_shape(one, jax.tree.map(lambda x: x[0], micro_batches), 0))
   add = lambda a, b: jax.tree.map(jnp.add, a, b)
-  first = one(jax.tree.map(lambda x: x[0], micro_batches), 0)
-  if rows.tokens.shape[1] == 1:
-    return first
-  rest = jax.tree.map(lambda x: x[1:], micro_batches)
-  count = rows.tokens.shape[1] - 1
-  total, _ = jax.lax.scan(lambda acc, xs: (add(acc, one(*xs)), None), first, (rest, jnp.arange(1, count + 1)))
+  total, _ = jax.lax.scan(lambda acc, xs: (add(acc, one(*xs)), None), zeros, (micro_batches, jnp.arange(count)))
   return total
 
 
