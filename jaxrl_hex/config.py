@@ -88,7 +88,9 @@ def base_config() -> ml_collections.ConfigDict:
           pack=False,
           pack_length=0,  # pack sequences into rows (0 = padded width)
           share_prompts=False,  # run each group's prompt once (excludes pack)
-          micro_batch_tokens=0,  # token budget per micro-batch; 0 = no accumulation
+          # token budget per micro-batch; 0 = no accumulation. Smaller programs fault fewer fresh pages
+          # on CPU: ~1.5k tokens ran W3's step 1.1-1.2x faster (docs/troubleshooting.md)
+          micro_batch_tokens=0,
           dynamic_sampling=False,
           dynamic_sampling_max_rounds=8,  # DAPO: drop zero-variance groups
           overlong_buffer=0,
