@@ -234,7 +234,7 @@ class Engine:
     one_head = self.pool.sharding(CACHE_AXES[0], shape, "KV cache").shard_shape(shape)[1] == 1
     flat = one_head and not cfg.scan_layers  # (models.decoder.FLAT_CACHE_AXES)
     if not page:
-      return S.Layout(self.num_slots, self.length, flat=flat)
+      return S.Layout(self.num_slots, self.length, shards=shards, flat=flat)
     per_seq = -(-self.length // page)
     blocks = blocks or self.num_slots * per_seq
     if blocks % shards or blocks // shards < per_seq:
@@ -660,7 +660,8 @@ class Engine:
     """The decode program of a span; the temperature is its input (_decode_args), so greedy
     evaluation and sampled rollouts run the same program."""
     return functools.partial(S.decode, self.policy, self.sampling, self.eos_ids, self.steps_per_sync, span,
-                             logits_sharding=self.pool.sharding(("batch", None)), paged_copy=self.paged_copy)
+                             logits_sharding=self.pool.sharding(
+                                 ("batch", None)), paged_copy=self.paged_copy, shards=self.layout.shards)
 
   def _init_state(self):
     return S.init_state(self.policy.cfg, self.layout, self.cache_dtype)
@@ -676,10 +677,10 @@ class Engine:
       span = self._span(end)
       table = jax.device_put(self._table, self._state_shardings.kv.table)
       self._state = dataclasses.replace(self._state, kv=dataclasses.replace(self._state.kv, table=table))
-      rows = self._rows()
-      args += () if rows is None else (rows,)
     else:
       span = self._span(self._t + self.steps_per_sync)
+    rows = self._rows() if self._on_rows(span) else None
+    args += () if rows is None else (rows,)
     fn = self._compile(("decode", span, len(args[-1]) if len(args) > 3 else self.num_slots), self._decode_fn(span),
                        self.params, self._state, *args, host_outputs=True)
     t0 = time.perf_counter()
@@ -705,7 +706,7 @@ class Engine:
         self._finish(slot, reason)
 
   def _rows(self):
-    """The slots a paged decode call runs on (slots.decode's rows): each data shard's live slots,
+    """The slots a decode call runs on (slots.decode's rows): each data shard's live slots,
     padded with its idle ones to the most any shard has live, bucketed (_row_buckets); None
     when that is all of them."""
     per = self.num_slots // self.layout.shards
@@ -717,9 +718,15 @@ class Engine:
     order = np.argsort(~live, axis=1, kind="stable")[:, :r]
     return (order + per * np.arange(self.layout.shards)[:, None]).reshape(-1).astype(np.int32)
 
+  def _on_rows(self, span: int) -> bool:
+    """Whether a decode call of this span may run on its live slots only (_rows). A ring's calls
+    do once they span the whole ring, as a long tail's do after it wrapped; a fresh batch's narrow
+    its columns instead, so a ring has a program per span and per bucket, not per pair of them."""
+    return self.paged or span == self._width
+
   def _row_buckets(self) -> list:
-    """Slots per data shard a paged decode call may run on: powers of two from an eighth of the
-    shard's slots (a few programs, compiled once each), and all of them."""
+    """Slots per data shard a decode call may run on: powers of two from an eighth of the shard's
+    slots (a few programs, compiled once each), and all of them."""
     per = self.num_slots // self.layout.shards
     return sorted({min(per, pow2_bucket(n, max(1, per // 8))) for n in range(1, per + 1)})
 
@@ -838,9 +845,9 @@ class Engine:
     else:
       first = self.max_prompt_len - 1 + self.steps_per_sync  # a call's last column, at the earliest (rewound ring)
       spans = sorted({self._span(end) for end in range(first, self.length + 2)})
-    buckets = self._row_buckets() if self.paged else [self.num_slots]
+    buckets = self._row_buckets()
     for span in spans:
-      for r in buckets:
+      for r in buckets if self._on_rows(span) else buckets[-1:]:
         rows = () if r == buckets[-1] else (np.zeros(r * self.layout.shards, np.int32),)
         self._compile(("decode", span, len(rows[0]) if rows else self.num_slots), self._decode_fn(span), params, state,
                       *self._decode_args(), *rows, host_outputs=True)

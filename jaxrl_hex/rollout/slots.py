@@ -10,7 +10,9 @@ matter to attention: RoPE is applied with the token's own position before cachin
 position, which is all a recompute with new weights needs. When no slot is live the engine
 rewinds the ring (the next prompts end at a fixed column), so until it wraps the live columns
 are a prefix: a decode call copies that prefix out, decodes on it, and writes it back, and
-attention, whose cost is the cache it reads, reads only it.
+attention, whose cost is the cache it reads, reads only it. A call may run on some slots only
+(the live ones, padded to a bucket: take_rows), their rows copied out and back the same way, so
+slots a long tail leaves idle cost nothing.
 
 Pages (the paged cache). The cache is a pool of B blocks of P tokens, laid out as a ring cache of
 B rows x P columns (the same arrays, axes and shardings: blocks split over the batch axes like
@@ -125,6 +127,19 @@ class Ring:
     return map_cache(put_cache, cache, kv), Ring(jnp.where(filled[:, None], in_prompt, self.valid),
                                                  put(self.col_tok, tokens), put(self.col_pos, positions), t)
 
+  def take(self, cache, rows, shards):
+    """(cache, ring) of the slots `rows` only: their cache rows and column records, copied."""
+    pick = lambda x, axis: take_local(x, rows, axis, shards)
+    return (map_cache(lambda x, axes: pick(x, axes.index("batch")),
+                      cache), Ring(pick(self.valid, 0), pick(self.col_tok, 0), pick(self.col_pos, 0), self.t))
+
+  def put(self, cache, small_cache, small, rows, shards):
+    """(cache, ring) with the slots `rows` as take's copy of them (small_cache, small) left them."""
+    put = lambda x, new, axis: put_local(x, rows, new, axis, shards)
+    return (map_cache(lambda x, new, axes: put(x, new, axes.index("batch")), cache, small_cache),
+            Ring(put(self.valid, small.valid, 0), put(self.col_tok, small.col_tok, 0),
+                 put(self.col_pos, small.col_pos, 0), small.t))
+
   def narrow(self, state, span, steps):
     """The state on ring columns [0, span) (a copy; the state itself when that is the whole ring)."""
     del steps  # a ring's steps write inside its span
@@ -187,6 +202,17 @@ class Pages:
       return out.reshape(pool.shape)
 
     return map_cache(put, cache, kv), self
+
+  def take(self, cache, rows, shards):
+    """(cache, pages) of the slots `rows` only: their block tables; the pool stays (a paged
+    slot's KV is wherever its table says, so nothing big moves)."""
+    del shards
+    return cache, dataclasses.replace(self, table=self.table[rows])
+
+  def put(self, cache, small_cache, small, rows, shards):
+    """(the call's pool, the tables): the host owns the tables, which a decode call leaves alone."""
+    del cache, small, rows, shards
+    return small_cache, self
 
   def narrow(self, state, span, steps):
     """The state of a decode call of up to `steps` steps whose rows have cached positions below
@@ -397,22 +423,46 @@ def extend(policy, params, state: DecodeState, table, tokens, lengths, start, sl
 PER_SLOT = ("pending", "pos", "count", "max_new", "key")  # DecodeState's [S, ...] fields
 
 
-def take_rows(state: DecodeState, rows) -> DecodeState:
-  """A paged state on the slots `rows` [R] only: their per-slot fields and block tables, the
-  same pool of blocks (a paged slot's KV is wherever its table says, so nothing big moves)."""
-  kv = dataclasses.replace(state.kv, table=state.kv.table[rows])
-  return dataclasses.replace(state, kv=kv, **{f: getattr(state, f)[rows] for f in PER_SLOT})
+def _local(rows, n: int, shards: int):
+  """Slot ids rows [R], R / D of each of the D data shards' in shard order -> [D, R / D] ids
+  within their shard (of n // D slots)."""
+  return rows.reshape(shards, -1) - (n // shards) * jnp.arange(shards, dtype=rows.dtype)[:, None]
 
 
-def put_rows(full: DecodeState, small: DecodeState, rows) -> DecodeState:
-  """full with take_rows(full, rows)'s per-slot fields and cache replaced by small's (the table
-  is the host's, unchanged by a decode call)."""
+def take_local(x, rows, axis: int, shards: int):
+  """x's slots `rows` (shard-major, _local) along `axis`, each data shard taking its own: a
+  gather XLA partitions without collectives (vmapped over the shards, as models.decoder's blocks)."""
+  take = lambda part, local: jnp.take(part, local, axis=axis)
+  got = jax.vmap(take, in_axes=(axis, 0), out_axes=axis)(split_shards(x, axis, shards),
+                                                         _local(rows, x.shape[axis], shards))
+  return got.reshape(x.shape[:axis] + rows.shape + x.shape[axis + 1:])
+
+
+def put_local(x, rows, new, axis: int, shards: int):
+  """x with its slots `rows` (as take_local's) set to new, in place, each data shard its own."""
+  put = lambda part, local, values: part.at[(slice(None),) * axis + (local,)].set(values)
+  out = jax.vmap(put, in_axes=(axis, 0, axis), out_axes=axis)(split_shards(x, axis, shards),
+                                                              _local(rows, x.shape[axis], shards),
+                                                              split_shards(new, axis, shards))
+  return out.reshape(x.shape)
+
+
+def take_rows(state: DecodeState, rows, shards: int) -> DecodeState:
+  """The state on the slots `rows` [R] only (shard-major, _local): their per-slot fields and
+  their part of the layout (Ring.take, Pages.take)."""
+  cache, kv = state.kv.take(state.cache, rows, shards)
+  return dataclasses.replace(state, cache=cache, kv=kv, **{f: getattr(state, f)[rows] for f in PER_SLOT})
+
+
+def put_rows(full: DecodeState, small: DecodeState, rows, shards: int) -> DecodeState:
+  """full with take_rows(full, rows)'s part replaced by small, what a decode call made of it."""
   put = lambda f: getattr(full, f).at[rows].set(getattr(small, f))
-  return dataclasses.replace(full, cache=small.cache, **{f: put(f) for f in PER_SLOT})
+  cache, kv = full.kv.put(full.cache, small.cache, small.kv, rows, shards)
+  return dataclasses.replace(full, cache=cache, kv=kv, **{f: put(f) for f in PER_SLOT})
 
 
 def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeState, live, stop_on_finish,
-           temperature=None, rows=None, logits_sharding=None, paged_copy=True) -> tuple[DecodeState, Decoded]:
+           temperature=None, rows=None, logits_sharding=None, paged_copy=True, shards=1) -> tuple[DecodeState, Decoded]:
   """Up to max_steps decode steps over the slots; returns early once a slot finishes and
   `stop_on_finish` (requests are waiting for a slot), or when no slot is live.
 
@@ -426,14 +476,14 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
   positions these steps reach. logits_sharding: rows over the batch axes, the vocabulary whole
   on each device. Drawing from vocabulary-sharded logits needs the whole row anyway (the inverse CDF's running
   sum) plus ~5 small collectives for maxima, sums and the pick; gathered once, the sampler needs
-  none. live [S] bool: the slots decoding. rows [R] (paged only): the distinct slots the steps
-  run on, every live one among them, shard by shard (R / D of each data shard's, in order), so
+  none. live [S] bool: the slots decoding. rows [R]: the distinct slots the steps run on, every
+  live one among them, shard by shard (R / D of each of the `shards` data shards', in order), so
   slots left idle by a long tail cost nothing; the outputs are still [.., S].
   """
   whole, slots = state, state.pos.shape[0]
   temperature = sampling["temperature"] if temperature is None else temperature
   if rows is not None:
-    state, live = take_rows(state, rows), live[rows]
+    state, live = take_rows(state, rows, shards), live[rows]
   full = state  # the loop runs on a copy of the span (and a paged call's step columns), made and
   state = state.kv.narrow(state, span, max_steps if paged_copy else None)  # written back once per call
   width = state.pos.shape[0]
@@ -477,7 +527,7 @@ def decode(policy, sampling, eos_ids, max_steps, span, params, state: DecodeStat
   if rows is None:
     return state, out
   spread = lambda x: jnp.zeros(x.shape[:-1] + (slots,), x.dtype).at[..., rows].set(x)
-  return put_rows(whole, state, rows), Decoded(*map(spread, out[:4]), out.steps)
+  return put_rows(whole, state, rows, shards), Decoded(*map(spread, out[:4]), out.steps)
 
 
 def recompute(policy, params, state: DecodeState) -> DecodeState:

@@ -1,4 +1,6 @@
 """rollout.slots: the ring's prefill fill against a column-by-column reference."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,3 +50,22 @@ def test_ring_fill_writes_exactly_the_prompt_columns_wherever_the_ring_wraps(wid
     for s, r in enumerate(slot_src):
       want = np.zeros(width, bool) if r < 0 else np.isin(np.arange(width), (t - np.arange(1, lengths[r])) % width)
       np.testing.assert_array_equal(valid[s], want)
+
+
+def test_a_call_s_rows_are_taken_and_put_back_by_each_data_shard_without_collectives(pools):
+  """take_local / put_local on the rollout pool (data 2 x tensor 2): slots [1, 6, 9, 8] of 16,
+  two of each shard's 8, are x's rows, put back in place, and the programs move no data between
+  devices (a gather across shards would all-gather the whole cache)."""
+  pool = pools["rollout"]
+  x = jax.device_put(jnp.arange(16 * 4 * 6.0).reshape(16, 4, 6), pool.sharding(("batch", "kv_heads", None)))
+  rows = jnp.array([1, 6, 9, 8], jnp.int32)
+  take = jax.jit(lambda x, r: S.take_local(x, r, 0, 2))
+  put = jax.jit(lambda x, r, new: S.put_local(x, r, new, 0, 2))
+  np.testing.assert_array_equal(take(x, rows), np.asarray(x)[[1, 6, 9, 8]])
+  new = -jnp.ones((4, 4, 6))
+  want = np.asarray(x).copy()
+  want[[1, 6, 9, 8]] = -1
+  np.testing.assert_array_equal(put(x, rows, new), want)
+  for fn, args in ((take, (x, rows)), (put, (x, rows, new))):
+    hlo = fn.lower(*args).compile().as_text()
+    assert not re.search(r"all-gather|all-to-all|collective-permute|all-reduce", hlo)
