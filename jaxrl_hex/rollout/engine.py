@@ -225,6 +225,7 @@ class Engine:
     if self.paged:  # the block tables, host-owned: out-of-range ids mark blocks not held
       self._table = np.full((self.num_slots, self.layout.table_width), self.layout.blocks, np.int32)
     self.greedy = False  # sample at temperature 0 (argmax)
+    self._warmed = False  # warmup() ran: no program compiles mid-run (_on_rows)
 
   def _layout(self, page: int, blocks: int, shards: int) -> S.Layout:
     """The cache layout of the kv_page_size and kv_blocks knobs; refuses knobs that cannot work."""
@@ -720,9 +721,11 @@ class Engine:
 
   def _on_rows(self, span: int) -> bool:
     """Whether a decode call of this span may run on its live slots only (_rows). A ring's calls
-    do once they span the whole ring, as a long tail's do after it wrapped; a fresh batch's narrow
-    its columns instead, so a ring has a program per span and per bucket, not per pair of them."""
-    return self.paged or span == self._width
+    do once they span the whole ring, as a long tail's do after it wrapped, and in an engine not
+    warmed up, which compiles what it runs as it goes (a few prompts on many slots: generate,
+    eval); a warmed-up ring's fresh batch narrows its columns only, so warmup compiles a program
+    per span and per bucket, not per pair of them."""
+    return self.paged or span == self._width or not self._warmed
 
   def _row_buckets(self) -> list:
     """Slots per data shard a decode call may run on: powers of two from an eighth of the shard's
@@ -830,6 +833,7 @@ class Engine:
     engine's prefills of whole sequences (preempted or evicted ones readmitted, a weight switch)
     have too many buckets to compile ahead; they compile when first run. -> seconds spent."""
     t0 = time.perf_counter()
+    self._warmed = True  # (its programs are those _on_rows picks from now on)
     params, state = self._abstract_state()
     i32 = lambda *shape: np.zeros(shape, np.int32)
     p_bs = sorted({self._row_bucket(n) for n in prompt_lengths if 1 <= n <= self.max_prompt_len})

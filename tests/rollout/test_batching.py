@@ -168,26 +168,35 @@ def test_a_fresh_batch_decodes_on_the_ring_columns_it_has_written(pools, weights
 
 
 def test_a_ring_decode_call_runs_on_its_live_slots_as_on_all_of_them(pools, weights):
-  """A long tail on the ring: once few slots are live and a call spans the whole ring, it runs on
-  those of each data shard (slots.decode's rows: their cache rows copied out and back), and every request
-  samples the tokens and logprobs it samples where every call runs on all 16 slots, the trainer's."""
+  """A long tail on the ring: once few slots are live a call runs on those of each data shard
+  (slots.decode's rows: their cache rows copied out and back), and every request samples the
+  tokens and logprobs it samples where every call runs on all 16 slots, the trainer's. An engine
+  not warmed up does so at every span; a warmed-up one only once a call spans the whole ring, the
+  programs its warmup compiled, and it compiles none mid-run."""
   policy, params, _ = weights
   budgets = [3] * 5 + [20] + [3] * 7 + [17, 2, 3]  # slots 5 and 13 (one in each data shard's 8) go on alone
-  reqs = lambda: [Request(f"{i}+{i}=", max_tokens=b, id=i) for i, b in enumerate(budgets)]
-  samples = {}
-  for name, buckets in (("rows", None), ("all", [8])):
-    engine = make_engine(pools, policy, slots=16, max_new_tokens=20)
-    if buckets:
-      engine._row_buckets = lambda buckets=buckets: buckets
+  prompts = [f"{i}+{i}=" for i in range(len(budgets))]
+  samples, subsets = {}, {}
+  for name in ("rows", "warmed", "all"):
+    engine = make_engine(pools, policy, slots=16, max_new_tokens=20)  # a ring of 36 columns, quarters of 9
+    if name == "all":
+      engine._row_buckets = lambda: [8]
+    if name == "warmed":
+      engine.warmup([len(TOK.encode(p)) + 1 for p in prompts], 1)  # + BOS
+      compiled = engine.compile_count
     engine.load_weights(0, params)
-    samples[name] = sorted(run(engine, reqs()), key=lambda s: s.request_id)
-    sizes = {key[2] for key in engine._fns if key[0] == "decode"}
-    assert sizes == ({16} if buckets else {16, 2})  # 2: one slot of each shard
-    # on its live slots only once a call spans the whole ring (36 columns; earlier spans 18, 27)
-    assert {key[1] for key in engine._fns if key[0] == "decode" and key[2] < 16} <= {engine.length}
-  for mine, full in zip(samples["rows"], samples["all"]):
-    np.testing.assert_array_equal(mine.tokens, full.tokens)
-    np.testing.assert_allclose(mine.logprobs, full.logprobs, atol=1e-5)
+    requests = [Request(p, max_tokens=b, id=i) for i, (p, b) in enumerate(zip(prompts, budgets))]
+    samples[name] = sorted(run(engine, requests), key=lambda s: s.request_id)
+    # (span, slots) of its decode programs with fewer than its 16 slots
+    subsets[name] = {key[1:] for key in engine._fns if key[0] == "decode" and key[2] < 16}
+    if name == "warmed":
+      assert engine.compile_count == compiled
+  assert subsets["rows"] == {(27, 2), (36, 2)}  # 2: one slot of each shard; spans 18, 27, 36
+  assert {span for span, _ in subsets["warmed"]} == {36} and subsets["all"] == set()
+  for name in ("rows", "warmed"):
+    for mine, full in zip(samples[name], samples["all"]):
+      np.testing.assert_array_equal(mine.tokens, full.tokens)
+      np.testing.assert_allclose(mine.logprobs, full.logprobs, atol=1e-5)
   assert [len(s.tokens) for s in samples["rows"]] == budgets
   assert_parity(policy, {0: params}, samples["rows"])
 
