@@ -660,9 +660,9 @@ class Engine:
   def _decode_fn(self, span):
     """The decode program of a span; the temperature is its input (_decode_args), so greedy
     evaluation and sampled rollouts run the same program."""
-    return functools.partial(S.decode, self.policy, self.sampling, self.eos_ids, self.steps_per_sync, span,
-                             logits_sharding=self.pool.sharding(
-                                 ("batch", None)), paged_copy=self.paged_copy, shards=self.layout.shards)
+    options = dict(logits_sharding=self.pool.sharding(("batch", None)), paged_copy=self.paged_copy,
+                   shards=self.layout.shards)
+    return functools.partial(S.decode, self.policy, self.sampling, self.eos_ids, self.steps_per_sync, span, **options)
 
   def _init_state(self):
     return S.init_state(self.policy.cfg, self.layout, self.cache_dtype)

@@ -130,15 +130,16 @@ class Ring:
   def take(self, cache, rows, shards):
     """(cache, ring) of the slots `rows` only: their cache rows and column records, copied."""
     pick = lambda x, axis: take_local(x, rows, axis, shards)
-    return (map_cache(lambda x, axes: pick(x, axes.index("batch")),
-                      cache), Ring(pick(self.valid, 0), pick(self.col_tok, 0), pick(self.col_pos, 0), self.t))
+    cache = map_cache(lambda x, axes: pick(x, axes.index("batch")), cache)
+    return cache, Ring(pick(self.valid, 0), pick(self.col_tok, 0), pick(self.col_pos, 0), self.t)
 
   def put(self, cache, small_cache, small, rows, shards):
     """(cache, ring) with the slots `rows` as take's copy of them (small_cache, small) left them."""
     put = lambda x, new, axis: put_local(x, rows, new, axis, shards)
-    return (map_cache(lambda x, new, axes: put(x, new, axes.index("batch")), cache, small_cache),
-            Ring(put(self.valid, small.valid, 0), put(self.col_tok, small.col_tok, 0),
-                 put(self.col_pos, small.col_pos, 0), small.t))
+    cache = map_cache(lambda x, new, axes: put(x, new, axes.index("batch")), cache, small_cache)
+    ring = Ring(put(self.valid, small.valid, 0), put(self.col_tok, small.col_tok, 0),
+                put(self.col_pos, small.col_pos, 0), small.t)
+    return cache, ring
 
   def narrow(self, state, span, steps):
     """The state on ring columns [0, span) (a copy; the state itself when that is the whole ring)."""
