@@ -112,15 +112,13 @@ def restart_with_huge_pages():
   """Re-run this process's command line with the tunable where huge_pages_pending(): call it first
   thing in a program's entry point (it replaces the process; nothing before it is kept). Where
   mode huge cannot be served, one line on stderr says why and the program runs on as it is."""
-  if not _huge_pages_asked():
-    return
-  missing = _unservable()
+  missing = huge_pages_missing()
   if missing:
     print(f"jaxrl-hex: JAXRL_HEX_MALLOC=huge: {missing}; running with malloc as glibc sets it up", file=sys.stderr)
-    return
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], with_huge_pages(os.environ))
+  elif huge_pages_pending():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], with_huge_pages(os.environ))
 
 
 def keep_freed_memory() -> bool:
