@@ -680,7 +680,7 @@ class Engine:
       self._state = dataclasses.replace(self._state, kv=dataclasses.replace(self._state.kv, table=table))
     else:
       span = self._span(self._t + self.steps_per_sync)
-    rows = self._rows() if self._on_rows(span) else None
+    span, rows = self._call(span)
     args += () if rows is None else (rows,)
     fn = self._compile(("decode", span, len(args[-1]) if len(args) > 3 else self.num_slots), self._decode_fn(span),
                        self.params, self._state, *args, host_outputs=True)
@@ -720,12 +720,25 @@ class Engine:
     return (order + per * np.arange(self.layout.shards)[:, None]).reshape(-1).astype(np.int32)
 
   def _on_rows(self, span: int) -> bool:
-    """Whether a decode call of this span may run on its live slots only (_rows). A ring's calls
-    do once they span the whole ring, as a long tail's do after it wrapped, and in an engine not
-    warmed up, which compiles what it runs as it goes (a few prompts on many slots: generate,
-    eval); a warmed-up ring's fresh batch narrows its columns only, so warmup compiles a program
-    per span and per bucket, not per pair of them."""
+    """Whether a decode call of this span has programs on its live slots only (_rows). A ring's
+    calls do once they span the whole ring, as a long tail's do after it wrapped, and in an
+    engine not warmed up, which compiles what it runs as it goes (a few prompts on many slots:
+    generate, eval); warmup compiles a ring's narrower spans on all slots only, a program per span
+    and per bucket, not per pair of them (_call)."""
     return self.paged or span == self._width or not self._warmed
+
+  def _call(self, span: int) -> tuple:
+    """(span, rows) of a decode call whose steps need `span` columns: its live slots only (_rows)
+    where it has programs for them (_on_rows); else, in a warmed-up ring, those slots at the
+    ring's whole width (programs its warmup compiled) where that reads fewer cache columns than
+    all slots at the span (a batch's long tail before the ring wraps: 4 long sequences of 32 ran
+    2.3x faster, taskset one core, one-off); else all slots."""
+    rows = self._rows()
+    if rows is None or self._on_rows(span):
+      return span, rows
+    if len(rows) * self._width < self.num_slots * span:
+      return self._width, rows
+    return span, None
 
   def _row_buckets(self) -> list:
     """Slots per data shard a decode call may run on: powers of two from an eighth of the shard's

@@ -167,16 +167,30 @@ def test_a_fresh_batch_decodes_on_the_ring_columns_it_has_written(pools, weights
   assert_parity(policy, {0: params}, samples)
 
 
+def decode_calls(engine) -> list:
+  """The (span, slots) of each decode call the engine makes from now on, as they are made."""
+  calls, pick = [], engine._call
+
+  def logged(span):
+    span, rows = pick(span)
+    calls.append((span, engine.num_slots if rows is None else len(rows)))
+    return span, rows
+
+  engine._call = logged
+  return calls
+
+
 def test_a_ring_decode_call_runs_on_its_live_slots_as_on_all_of_them(pools, weights):
   """A long tail on the ring: once few slots are live a call runs on those of each data shard
   (slots.decode's rows: their cache rows copied out and back), and every request samples the
   tokens and logprobs it samples where every call runs on all 16 slots, the trainer's. An engine
   not warmed up does so at every span; a warmed-up one only once a call spans the whole ring, the
-  programs its warmup compiled, and it compiles none mid-run."""
+  programs its warmup compiled: before the ring wraps at the whole width, which reads fewer
+  columns than all slots at the call's span. It compiles none mid-run."""
   policy, params, _ = weights
   budgets = [3] * 5 + [20] + [3] * 7 + [17, 2, 3]  # slots 5 and 13 (one in each data shard's 8) go on alone
   prompts = [f"{i}+{i}=" for i in range(len(budgets))]
-  samples, subsets = {}, {}
+  samples, calls = {}, {}
   for name in ("rows", "warmed", "all"):
     engine = make_engine(pools, policy, slots=16, max_new_tokens=20)  # a ring of 36 columns, quarters of 9
     if name == "all":
@@ -185,14 +199,15 @@ def test_a_ring_decode_call_runs_on_its_live_slots_as_on_all_of_them(pools, weig
       engine.warmup([len(TOK.encode(p)) + 1 for p in prompts], 1)  # + BOS
       compiled = engine.compile_count
     engine.load_weights(0, params)
+    calls[name] = decode_calls(engine)
     requests = [Request(p, max_tokens=b, id=i) for i, (p, b) in enumerate(zip(prompts, budgets))]
     samples[name] = sorted(run(engine, requests), key=lambda s: s.request_id)
-    # (span, slots) of its decode programs with fewer than its 16 slots
-    subsets[name] = {key[1:] for key in engine._fns if key[0] == "decode" and key[2] < 16}
     if name == "warmed":
       assert engine.compile_count == compiled
-  assert subsets["rows"] == {(27, 2), (36, 2)}  # 2: one slot of each shard; spans 18, 27, 36
-  assert {span for span, _ in subsets["warmed"]} == {36} and subsets["all"] == set()
+  # 2 slots: one of each shard; the ring wraps at the fourth call
+  assert calls["rows"] == [(27, 16), (27, 2), (27, 2), (36, 2), (36, 2)]
+  assert calls["warmed"] == [(27, 16), (36, 2), (36, 2), (36, 2), (36, 2)]
+  assert calls["all"] == [(27, 16), (27, 16), (27, 16), (36, 16), (36, 16)]
   for name in ("rows", "warmed"):
     for mine, full in zip(samples[name], samples["all"]):
       np.testing.assert_array_equal(mine.tokens, full.tokens)
