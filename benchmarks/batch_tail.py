@@ -1,11 +1,17 @@
-"""A batch's long tail on a warmed-up ring engine (an RL step's rollout): 32 prompts on 32 slots,
-4 of them sampling 256 new tokens and 28 sampling 16, so after the first call 4 slots decode on
-alone until the ring's end. Two engines of benchmarks/rollout.py's model, both warmed up (as a
-training run's are), their runs alternating, best of each kept:
+"""Decode calls with few live slots on a ring engine, three rules for which slots and columns a
+call runs on, on benchmarks/rollout.py's model (one engine per rule, each run once untimed to
+compile what it runs, then their runs alternating, best of each kept):
 
-  all slots   a call narrower than the ring runs on every slot (the rule before issue 20's change)
-  ours        Engine._call: the live slots only, at the ring's whole width (a program warmup
-              compiled), where that reads fewer cache columns than all slots at the call's span
+  all slots       a call narrower than the ring runs on every slot (a warmed-up engine's rule
+                  before issue 20's change); one spanning the whole ring on the live slots
+  span x bucket   every call on its live slots at its span (an unwarmed engine's rule before
+                  it): a program per pair of span and row bucket
+  ours            Engine._call: the live slots at the ring's whole width where that reads fewer
+                  cache columns than all slots at the call's span, else all slots
+
+Two workloads: "long tail", an RL step's batch of 32 prompts on 32 slots, 4 of them sampling
+256 new tokens and 28 sampling 16, so 4 slots decode on alone before the ring wraps; "few
+prompts", 4 of W1's prompts (64 new tokens) on its 32 slots, as generate or an eval runs.
 
   taskset -c 1 python benchmarks/batch_tail.py [--rounds 5] [--readme]
       ->  benchmarks/out/batch_tail.json
@@ -21,48 +27,56 @@ sys.path.insert(0, os.path.dirname(HERE))
 import numpy as np  # noqa: E402
 import rollout  # noqa: E402
 
+RULES = {
+    "all slots": lambda e: lambda span: (span, e._rows() if span == e._width else None),
+    "span x bucket": lambda e: lambda span: (span, e._rows()),
+    "ours": lambda e: e._call,
+}
 
-def workload() -> dict:
+
+def workloads() -> dict:
   rng = np.random.default_rng(0)
   n = 32
   prompts = np.concatenate([np.full((n, 1), rollout.BOS), rng.integers(3, rollout.MODEL["vocab_size"], (n, 31))], 1)
   budgets = rng.permutation([256] * 4 + [16] * 28).tolist()
-  return dict(prompts=prompts.astype(np.int32), group=1, budgets=budgets, slots=n, max_new=max(budgets))
+  tail = dict(prompts=prompts.astype(np.int32), group=1, budgets=budgets, slots=n, max_new=max(budgets))
+  w1 = rollout.workload("W1")
+  return {"long tail": tail, "few prompts": dict(w1, prompts=w1["prompts"][:4], budgets=w1["budgets"][:4])}
 
 
-def measure(rounds: int) -> dict:
-  w = workload()
+def measure(name: str, w: dict, rounds: int) -> list:
   pool, policy, params = rollout._our_policy()
-  engines, warmup_s = {}, {}
-  for name in ("all slots", "ours"):
+  engines, cold = {}, {}
+  for rule, pick in RULES.items():
     engine = rollout.our_engine(w, pool, policy, params)
-    if name == "all slots":
-      engine._call = lambda span, e=engine: (span, e._rows() if e._on_rows(span) else None)
-    warmup_s[name] = engine.warmup([w["prompts"].shape[1]], w["group"])
-    engines[name] = engine
-  times, tokens = {name: [] for name in engines}, set()
+    engine._call = pick(engine)
+    t0 = time.perf_counter()
+    rollout.run_workload(engine, w, 0)  # compiles what it runs
+    cold[rule], engines[rule] = time.perf_counter() - t0, engine
+  times, tokens = {rule: [] for rule in engines}, set()
   for i in range(rounds):
-    for name, engine in engines.items():
+    for rule, engine in engines.items():
       t0 = time.perf_counter()
-      tokens.add(rollout.run_workload(engine, w, i % 2))  # the same two samplings for both
-      times[name].append(time.perf_counter() - t0)
+      tokens.add(rollout.run_workload(engine, w, i % 2))  # the same two samplings for every rule
+      times[rule].append(time.perf_counter() - t0)
   assert len(tokens) <= 2, tokens
-  best = {name: min(t) for name, t in times.items()}
-  return dict(rounds=rounds, new_tokens=sorted(tokens), seconds=best, median_seconds={
-      name: float(np.median(t)) for name, t in times.items()
-  }, ours_over_all_slots=best["all slots"] / best["ours"], programs={
-      name: e.compile_count for name, e in engines.items()
-  }, warmup_seconds=warmup_s)
-
-
-def table(r) -> str:
-  lines = ["| rule | run (ms), best | median | programs warmup compiled | warmup (s) |", "|---|---|---|---|---|"]
-  lines += [
-      f"| {name} | {r['seconds'][name] * 1e3:.0f} | {r['median_seconds'][name] * 1e3:.0f} | {r['programs'][name]} | "
-      f"{r['warmup_seconds'][name]:.1f} |" for name in ("all slots", "ours")
+  return [
+      dict(workload=name, rule=rule, seconds=min(t), median_seconds=float(np.median(t)),
+           programs=engines[rule].compile_count, cold_seconds=cold[rule], rounds=rounds,
+           ours_speedup=min(t) / min(times["ours"])) for rule, t in times.items()
   ]
-  speed = f"ours / all slots: **{r['ours_over_all_slots']:.2f}x** the speed, {r['rounds']} rounds."
-  return "\n".join(lines) + "\n\n" + speed
+
+
+def table(rows) -> str:
+  lines = [
+      "| workload | rule | run (ms), best | median | its time / ours | programs | first run, compiling (s) |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    faster = "" if r["rule"] == "ours" else f"**{r['ours_speedup']:.2f}x**"
+    lines.append(f"| {r['workload']} | {r['rule']} | {r['seconds'] * 1e3:.0f} | {r['median_seconds'] * 1e3:.0f} | "
+                 f"{faster} | {r['programs']} | {r['cold_seconds']:.1f} |")
+  return "\n".join(lines)
 
 
 def main():
@@ -71,9 +85,9 @@ def main():
   ap.add_argument("--readme", action="store_true", help="write the table into benchmarks/README.md")
   args = ap.parse_args()
   from readme_section import report  # benchmarks/ is on the path when run as a script
-  r = measure(args.rounds)
-  report(os.path.join(HERE, "out", "batch_tail.json"), r, table(r), args.readme, "batch-tail",
-         "A batch's long tail on a warmed-up engine (benchmarks/batch_tail.py)")
+  rows = [row for name, w in workloads().items() for row in measure(name, w, args.rounds)]
+  report(os.path.join(HERE, "out", "batch_tail.json"), rows, table(rows), args.readme, "batch-tail",
+         "Decode calls with few live slots (benchmarks/batch_tail.py)")
 
 
 if __name__ == "__main__":

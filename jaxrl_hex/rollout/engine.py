@@ -225,7 +225,6 @@ class Engine:
     if self.paged:  # the block tables, host-owned: out-of-range ids mark blocks not held
       self._table = np.full((self.num_slots, self.layout.table_width), self.layout.blocks, np.int32)
     self.greedy = False  # sample at temperature 0 (argmax)
-    self._warmed = False  # warmup() ran: no program compiles mid-run (_on_rows)
 
   def _layout(self, page: int, blocks: int, shards: int) -> S.Layout:
     """The cache layout of the kv_page_size and kv_blocks knobs; refuses knobs that cannot work."""
@@ -719,22 +718,16 @@ class Engine:
     order = np.argsort(~live, axis=1, kind="stable")[:, :r]
     return (order + per * np.arange(self.layout.shards)[:, None]).reshape(-1).astype(np.int32)
 
-  def _on_rows(self, span: int) -> bool:
-    """Whether a decode call of this span has programs on its live slots only (_rows). A ring's
-    calls do once they span the whole ring, as a long tail's do after it wrapped, and in an
-    engine not warmed up, which compiles what it runs as it goes (a few prompts on many slots:
-    generate, eval); warmup compiles a ring's narrower spans on all slots only, a program per span
-    and per bucket, not per pair of them (_call)."""
-    return self.paged or span == self._width or not self._warmed
-
   def _call(self, span: int) -> tuple:
-    """(span, rows) of a decode call whose steps need `span` columns: its live slots only (_rows)
-    where it has programs for them (_on_rows); else, in a warmed-up ring, those slots at the
-    ring's whole width (programs its warmup compiled) where that reads fewer cache columns than
-    all slots at the span (a batch's long tail before the ring wraps: 4 long sequences of 32 ran
-    2.3x faster, taskset one core, one-off); else all slots."""
+    """(span, rows) of a decode call whose steps need `span` columns: on its live slots only
+    (_rows) where that is fewer slots, a paged call at its span; a ring's call at the ring's whole
+    width (a long tail once the ring wrapped, which spans it anyway; a few prompts on many slots,
+    as generate or an eval runs; a batch's long tail before the ring wraps), where that reads
+    fewer cache columns than all slots at the span, else on all slots at the span. A ring
+    compiles a program per span on all slots and one per row bucket at its width, not one per
+    pair of them: half the programs, as fast as those pairs (benchmarks/batch_tail.py)."""
     rows = self._rows()
-    if rows is None or self._on_rows(span):
+    if rows is None or self.paged:
       return span, rows
     if len(rows) * self._width < self.num_slots * span:
       return self._width, rows
@@ -846,7 +839,6 @@ class Engine:
     engine's prefills of whole sequences (preempted or evicted ones readmitted, a weight switch)
     have too many buckets to compile ahead; they compile when first run. -> seconds spent."""
     t0 = time.perf_counter()
-    self._warmed = True  # (its programs are those _on_rows picks from now on)
     params, state = self._abstract_state()
     i32 = lambda *shape: np.zeros(shape, np.int32)
     p_bs = sorted({self._row_bucket(n) for n in prompt_lengths if 1 <= n <= self.max_prompt_len})
@@ -864,7 +856,7 @@ class Engine:
       spans = sorted({self._span(end) for end in range(first, self.length + 2)})
     buckets = self._row_buckets()
     for span in spans:
-      for r in buckets if self._on_rows(span) else buckets[-1:]:
+      for r in buckets if self.paged or span == self._width else buckets[-1:]:  # (_call)
         rows = () if r == buckets[-1] else (np.zeros(r * self.layout.shards, np.int32),)
         self._compile(("decode", span, len(rows[0]) if rows else self.num_slots), self._decode_fn(span), params, state,
                       *self._decode_args(), *rows, host_outputs=True)

@@ -182,15 +182,14 @@ def decode_calls(engine) -> list:
 
 def test_a_ring_decode_call_runs_on_its_live_slots_as_on_all_of_them(pools, weights):
   """A long tail on the ring: once few slots are live a call runs on those of each data shard
-  (slots.decode's rows: their cache rows copied out and back), and every request samples the
-  tokens and logprobs it samples where every call runs on all 16 slots, the trainer's. An engine
-  not warmed up does so at every span; a warmed-up one only once a call spans the whole ring, the
-  programs its warmup compiled: before the ring wraps at the whole width, which reads fewer
-  columns than all slots at the call's span. It compiles none mid-run."""
+  (slots.decode's rows: their cache rows copied out and back) at the ring's whole width, which
+  reads fewer columns than all slots at the call's span, and every request samples the tokens
+  and logprobs it samples where every call runs on all 16 slots, the trainer's. An engine warmed
+  up runs the same calls, programs its warmup compiled: it compiles none mid-run."""
   policy, params, _ = weights
   budgets = [3] * 5 + [20] + [3] * 7 + [17, 2, 3]  # slots 5 and 13 (one in each data shard's 8) go on alone
   prompts = [f"{i}+{i}=" for i in range(len(budgets))]
-  samples, calls = {}, {}
+  samples, calls, programs = {}, {}, {}
   for name in ("rows", "warmed", "all"):
     engine = make_engine(pools, policy, slots=16, max_new_tokens=20)  # a ring of 36 columns, quarters of 9
     if name == "all":
@@ -202,12 +201,13 @@ def test_a_ring_decode_call_runs_on_its_live_slots_as_on_all_of_them(pools, weig
     calls[name] = decode_calls(engine)
     requests = [Request(p, max_tokens=b, id=i) for i, (p, b) in enumerate(zip(prompts, budgets))]
     samples[name] = sorted(run(engine, requests), key=lambda s: s.request_id)
+    programs[name] = {key[1:] for key in engine._fns if key[0] == "decode"}
     if name == "warmed":
       assert engine.compile_count == compiled
   # 2 slots: one of each shard; the ring wraps at the fourth call
-  assert calls["rows"] == [(27, 16), (27, 2), (27, 2), (36, 2), (36, 2)]
-  assert calls["warmed"] == [(27, 16), (36, 2), (36, 2), (36, 2), (36, 2)]
+  assert calls["rows"] == calls["warmed"] == [(27, 16), (36, 2), (36, 2), (36, 2), (36, 2)]
   assert calls["all"] == [(27, 16), (27, 16), (27, 16), (36, 16), (36, 16)]
+  assert programs["rows"] == {(27, 16), (36, 2)}  # a program per span on all slots, per bucket at the width
   for name in ("rows", "warmed"):
     for mine, full in zip(samples[name], samples["all"]):
       np.testing.assert_array_equal(mine.tokens, full.tokens)
