@@ -719,13 +719,12 @@ class Engine:
     return (order + per * np.arange(self.layout.shards)[:, None]).reshape(-1).astype(np.int32)
 
   def _call(self, span: int) -> tuple:
-    """(span, rows) of a decode call whose steps need `span` columns: on its live slots only
-    (_rows) where that is fewer slots, a paged call at its span; a ring's call at the ring's whole
-    width (a long tail once the ring wrapped, which spans it anyway; a few prompts on many slots,
-    as generate or an eval runs; a batch's long tail before the ring wraps), where that reads
-    fewer cache columns than all slots at the span, else on all slots at the span. A ring
-    compiles a program per span on all slots and one per row bucket at its width, not one per
-    pair of them: half the programs, as fast as those pairs (benchmarks/batch_tail.py)."""
+    """(span, rows) of a decode call whose steps need `span` columns. Where its live slots take
+    fewer slots than all (_rows), a paged call runs on them at its span, and a ring's on them at
+    the ring's whole width where that reads fewer cache columns than all slots at the span (a
+    long tail, a few prompts on many slots), else on all slots. A ring thus compiles a program per
+    span on all slots and one per row bucket at its width, not one per pair of them: half the
+    programs, as fast as those pairs (benchmarks/batch_tail.py)."""
     rows = self._rows()
     if rows is None or self.paged:
       return span, rows
