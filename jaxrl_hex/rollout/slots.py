@@ -197,10 +197,7 @@ class Pages:
       x = x.reshape(x.shape[:l_ax] + (blocks, self.page) + x.shape[l_ax + 1:])  # [.., n, .., blocks, P, ..]
       # the picked blocks [D, W, ..] in the pool's own layout (the batch axis now counts blocks)
       picked = jnp.moveaxis(jnp.moveaxis(x, (b_ax, l_ax), (0, 1))[writes.src, writes.blk], (0, 1), (b_ax, b_ax + 1))
-      per_shard = split_shards(pool, b_ax, self.shards)
-      put_one = lambda p, d, u: p.at[(slice(None),) * b_ax + (d,)].set(u, mode="drop")
-      out = jax.vmap(put_one, in_axes=(b_ax, 0, b_ax), out_axes=b_ax)(per_shard, writes.dest, picked)
-      return out.reshape(pool.shape)
+      return set_per_shard(pool, writes.dest, picked, b_ax, self.shards, mode="drop")
 
     return map_cache(put, cache, kv), self
 
@@ -439,13 +436,18 @@ def take_local(x, rows, axis: int, shards: int):
   return got.reshape(x.shape[:axis] + rows.shape + x.shape[axis + 1:])
 
 
+def set_per_shard(x, local, values, axis: int, shards: int, mode=None):
+  """x with each data shard d's own entries local[d] [r] along `axis` set to values [.., D, r, ..]
+  (D and r at `axis`), in place: a scatter XLA partitions without collectives (vmapped over the
+  shards). mode: the scatter's, "drop" for out-of-range ids (padding)."""
+  put = lambda part, ids, new: part.at[(slice(None),) * axis + (ids,)].set(new, mode=mode)
+  out = jax.vmap(put, in_axes=(axis, 0, axis), out_axes=axis)(split_shards(x, axis, shards), local, values)
+  return out.reshape(x.shape)
+
+
 def put_local(x, rows, new, axis: int, shards: int):
   """x with its slots `rows` (as take_local's) set to new, in place, each data shard its own."""
-  put = lambda part, local, values: part.at[(slice(None),) * axis + (local,)].set(values)
-  out = jax.vmap(put, in_axes=(axis, 0, axis), out_axes=axis)(split_shards(x, axis, shards),
-                                                              _local(rows, x.shape[axis], shards),
-                                                              split_shards(new, axis, shards))
-  return out.reshape(x.shape)
+  return set_per_shard(x, _local(rows, x.shape[axis], shards), split_shards(new, axis, shards), axis, shards)
 
 
 def take_rows(state: DecodeState, rows, shards: int) -> DecodeState:
