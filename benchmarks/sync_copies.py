@@ -15,22 +15,14 @@ import os
 import subprocess
 import sys
 import threading
-import time
+
+from row_copies import best_seconds  # benchmarks/ is on the path when run as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {
     "glibc's own (stores past the cache above 3/4 of the L3 share)": "",
     "streaming from 256 KiB": "glibc.cpu.x86_non_temporal_threshold=0x40000"
 }
-
-
-def _best(run, rounds: int) -> float:
-  best = float("inf")
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    run()
-    best = min(best, time.perf_counter() - t0)
-  return best
 
 
 def _round_trip(sync, params, versions):
@@ -54,9 +46,8 @@ def measure(rounds: int) -> dict:
     for i in range(0, src.size, piece):
       np.copyto(dst[i:i + piece], src[i:i + piece])
 
-  np.copyto(dst, src)
-  out = dict(whole_gb_s=src.nbytes / _best(lambda: np.copyto(dst, src), rounds) / 1e9,
-             pieces_gb_s=src.nbytes / _best(pieces, rounds) / 1e9)
+  out = dict(whole_gb_s=src.nbytes / best_seconds(lambda: np.copyto(dst, src), rounds) / 1e9,
+             pieces_gb_s=src.nbytes / best_seconds(pieces, rounds) / 1e9)
   from jaxrl_hex import meshes
   meshes.prepare_cpu_devices(8)
   import cluster
@@ -70,9 +61,8 @@ def measure(rounds: int) -> dict:
     params = policy.init(0, pools["train"].shardings_for(policy.logical_axes(), policy.shapes()))
     sync = DevicePutSync(pools["rollout"].shardings_for(policy.logical_axes(), policy.shapes()))
     round_trip = functools.partial(_round_trip, sync, params, iter(range(10**6)))
-    _best(round_trip, 2)  # the plan, the arenas, their pages
-    memcpy, _ = cluster.memcpy_seconds(param_bytes(params))
-    out[layout] = _best(round_trip, rounds) / memcpy
+    memcpy = param_bytes(params) / (out["whole_gb_s"] * 1e9)  # at the best whole copy's rate above
+    out[layout] = best_seconds(round_trip, rounds) / memcpy
     sync.close()
   return out
 
