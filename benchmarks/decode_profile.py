@@ -139,13 +139,14 @@ def profile(workload: str, rounds: int, top: int = 0) -> dict:
   ]
   for seed in (1, 2):  # warm
     rollout.run_workload(engine, w, seed)
-    [chain() for chain in chains]
+    for chain in chains:
+      chain()
   fastest = lambda run: min((traced(run) for _ in range(rounds)), key=lambda got: got[0])
   wall, thunks, loops = fastest(lambda: rollout.run_workload(engine, w, 3))
   (chain_wall, chain_thunks, _), (_, prefill_thunks, _) = map(fastest, chains)
   hlo = _instructions()
-  seconds = collections.Counter()
-  for k, s in shares(thunks).items():
+  seconds, own = collections.Counter(), shares(thunks)
+  for k, s in own.items():
     _, _, pid, op = thunks[k]
     module, rank, _, op_name = hlo.get((pid, op), ("?", 0, "?", ""))
     seconds[category(module, rank, op_name)] += s
@@ -158,7 +159,7 @@ def profile(workload: str, rounds: int, top: int = 0) -> dict:
   chain_dots, prefill_dots = matmuls(chain_thunks), matmuls(prefill_thunks)
   if top:
     slowest = collections.Counter()
-    for k, sec in shares(thunks).items():
+    for k, sec in own.items():
       slowest[thunks[k][2:]] += sec
     for (pid, op), sec in slowest.most_common(top):
       module, rank, opcode, op_name = hlo.get((pid, op), ("?", 0, "?", ""))
