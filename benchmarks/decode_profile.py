@@ -1,5 +1,6 @@
-"""Where a rollout's time goes, by the profiler: rollout.py's workloads on one device, one warm run of
-our engine traced (jax.profiler), every XLA:CPU thunk of it sorted by the HLO instruction it runs,
+"""Where a rollout's time goes, by the profiler: rollout.py's workloads on one device (or its 2 x 2
+mesh, --layout 2x2), one warm run of our engine traced (jax.profiler), every XLA:CPU thunk of it
+sorted by the HLO instruction it runs,
 and the decode limit's chain (rollout.matmul_limit, as many steps) traced the same way, so the
 engine's weight matmuls per decode step compare with the chain's in the same process.
 
@@ -9,6 +10,8 @@ for the decode loop and the prefill programs alike:
   attention matmuls   batched dots (q . K, p . V over the cache)
   cache writes        dynamic-update-slices and scatters (a step's KV column and outputs; a
                       prefill's fill of the ring)
+  collectives         all-reduces, all-gathers, ... (on a mesh: the tensor-parallel sums, the
+                      embedding lookup's, the logits' gather, the loop's flags)
   other ops           the rest: norms, RoPE, softmax, the activation, sampling, layout copies
   between thunks      inside the decode loop, no thunk running: the executor's own time
   decode, per call    a decode program outside its loop: the span's copy of the cache and its
@@ -17,12 +20,16 @@ for the decode loop and the prefill programs alike:
   host                the rest of the run's wall time: Python between calls, dispatch, the
                       programs' own time between thunks outside the decode loop
 A thunk's time is its wall time split evenly among the thunks running at once (XLA:CPU runs
-independent thunks concurrently; on one core they share it), so the rows add up to the run.
+independent thunks concurrently; on one core they share it), so the rows add up to the run; a
+collective's only while no other thunk runs (a device thread inside one mostly waits for the
+other devices' work: with more device threads than cores, that wait is the others' compute), so on
+a mesh "collectives" is the time no device computes, the chain's the same way.
 Then decode attention alone, written three ways (attention_rates): what a step's reads of the
 cache cost against how they are written.
 
   taskset -c 1 python benchmarks/decode_profile.py [--workloads W1 W2 W5] [--readme]
       ->  benchmarks/out/decode_profile.json
+  taskset -c 1 python benchmarks/decode_profile.py --layout 2x2 --readme  ->  .../decode_profile_2x2.json
 """
 import argparse
 import collections
@@ -37,34 +44,75 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 DUMP = os.path.join(tempfile.gettempdir(), f"decode_profile_hlo_{os.getpid()}")  # the programs, as XLA compiles them
 
-OPS = ("weight matmuls", "attention matmuls", "cache writes", "other ops")
+OPS = ("weight matmuls", "attention matmuls", "cache writes", "collectives", "other ops")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 CATEGORIES = (*(f"decode loop: {o}" for o in OPS), "decode loop: between thunks", "decode, per call",
               *(f"prefill: {o}" for o in OPS), "other programs", "host")
+UNKNOWN = ("?", 0, "?", "", False)  # a thunk missing from the dumps
 CONTAINERS = ("while", "conditional", "call")  # thunks whose time is their nested thunks'
-_LINE = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(.*?op_name=\"([^\"]*)\"")
+# (the partitioner's collectives carry no op_name)
+_LINE = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\((?:.*?op_name=\"([^\"]*)\")?")
+
+_COMPUTATION = re.compile(r"(?:ENTRY )?%([\w.\-]+) ")
+_CALLED = re.compile(r"(body|condition|to_apply|calls|branch_computations|true_computation|false_computation)="
+                     r"\{?((?:%[\w.\-]+(?:, )?)+)")
 
 
 def _instructions() -> dict:
-  """The dumped programs -> {(program id, instruction): (module name, output rank, opcode, op_name)}."""
+  """The dumped programs -> {(program id, instruction): (module name, output rank, opcode, op_name,
+  whether it lies in a while loop's body or a computation that body calls)}."""
   out = {}
   for path in glob.glob(os.path.join(DUMP, "module_*.cpu_after_optimizations.txt")):
     pid, module = re.match(r"module_(\d+)\.(.+?)\.cpu_after_optimizations", os.path.basename(path)).groups()
+    found, computation_of, calls, bodies, dots = {}, {}, collections.defaultdict(set), set(), set()
+    computation = None
     for line in open(path):
+      if not line.startswith(" "):  # a computation's header (or its closing brace)
+        m = _COMPUTATION.match(line)
+        computation = m.group(1) if m else computation
+        continue
+      called = set()
+      for key, names in _CALLED.findall(line):  # (a while's output is a tuple: no _LINE match)
+        called.update(re.findall(r"%([\w.\-]+)", names))
+        if key == "body" and " while(" in line:
+          bodies.update(re.findall(r"%([\w.\-]+)", names))
+      calls[computation] |= called
+      if " dot(" in line:
+        dots.add(computation)
       m = _LINE.match(line)
       if m:
         name, _, dims, opcode, op_name = m.groups()
-        out[int(pid), name] = (module, len(dims.split(",")) if dims else 0, opcode, op_name)
+        found[name] = (module, len(dims.split(",")) if dims else 0, opcode, op_name or "", called)
+        computation_of[name] = computation
+    in_loop, todo = set(), list(bodies)
+    while todo:  # the loop bodies and every computation they call
+      c = todo.pop()
+      if c not in in_loop:
+        in_loop.add(c)
+        todo += calls[c]
+    for name, (module, rank, opcode, op_name, called) in found.items():
+      if opcode == "fusion" and called & dots:  # a fused dot (XLA:CPU's library fusions carry no op_name)
+        opcode = "dot"
+      out[int(pid), name] = (module, rank, opcode, op_name, computation_of[name] in in_loop)
   return out
 
 
-def category(module: str, rank: int, op_name: str) -> str:
+def collective(opcode: str) -> bool:
+  return opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVES
+
+
+def category(module: str, rank: int, opcode: str, op_name: str, in_loop: bool = False) -> str:
+  """in_loop: the instruction lies in a decode loop's body by the program's structure (what
+  tells where the partitioner's collectives, which carry no op_name, run)."""
   program = "prefill" if "prefill" in module else "decode loop" if "decode" in module else None
   if program is None:
     return "other programs"
-  if program == "decode loop" and "/while/body/" not in op_name:
+  if program == "decode loop" and "/while/body/" not in op_name and not in_loop:
     return "decode, per call"
+  if collective(opcode):
+    return f"{program}: collectives"
   op = op_name.rsplit("/", 1)[-1]
-  if op == "dot_general":
+  if op == "dot_general" or opcode == "dot":
     return f"{program}: {'weight' if rank == 2 else 'attention'} matmuls"
   return f"{program}: {'cache writes' if op in ('dynamic_update_slice', 'scatter') else 'other ops'}"
 
@@ -110,26 +158,29 @@ def idle_within(spans, thunks) -> float:
   return idle / 1e9
 
 
-def shares(thunks) -> dict:
+def shares(thunks, waiting=frozenset()) -> dict:
   """Each thunk's seconds, its wall time split evenly among the thunks running at once -> {thunk
-  index: seconds}."""
+  index: seconds}. waiting: thunks (collectives, on a mesh) that get a share only while nothing
+  else runs: a device's thread inside a collective mostly waits for the other devices' work, so
+  on a mesh of more device threads than cores they count only as the time no device computes."""
   edges = sorted([(s, 1, k) for k, (s, *_) in enumerate(thunks)] + [(e, -1, k) for k, (_, e, *_) in enumerate(thunks)])
   running, out, last = set(), collections.Counter(), None
   for t, kind, k in edges:
-    if running and last is not None:
-      for j in running:
-        out[j] += (t - last) / len(running) / 1e9
+    working = running - waiting or running
+    if working and last is not None:
+      for j in working:
+        out[j] += (t - last) / len(working) / 1e9
     last = t
     (running.add if kind == 1 else running.discard)(k)
   return out
 
 
-def profile(workload: str, rounds: int, top: int = 0) -> dict:
+def profile(workload: str, rounds: int, top: int = 0, layout: str = "1") -> dict:
   """workload's run and the chains traced `rounds` times, the fastest of each kept -> its seconds
   by category (top: print its slowest thunks)."""
   import rollout  # benchmarks/ is on the path when run as a script
   w = rollout.workload(workload)
-  pool, policy, params = rollout._our_policy()
+  pool, policy, params = rollout._our_policy(layout)
   engine = rollout.our_engine(w, pool, policy, params)
   tokens = rollout.run_workload(engine, w, 0)  # compiles
   steps, cached = engine.decode_steps, engine.prefill_tokens - len(w["prompts"])  # as rollout.py counts them
@@ -145,27 +196,28 @@ def profile(workload: str, rounds: int, top: int = 0) -> dict:
   wall, thunks, loops = fastest(lambda: rollout.run_workload(engine, w, 3))
   (chain_wall, chain_thunks, _), (_, prefill_thunks, _) = map(fastest, chains)
   hlo = _instructions()
-  seconds, own = collections.Counter(), shares(thunks)
+  waiting = lambda thunks: frozenset(k for k, t in enumerate(thunks) if collective(hlo.get(t[2:], UNKNOWN)[2]))
+  seconds, own = collections.Counter(), shares(thunks, waiting(thunks))
   for k, s in own.items():
     _, _, pid, op = thunks[k]
-    module, rank, _, op_name = hlo.get((pid, op), ("?", 0, "?", ""))
-    seconds[category(module, rank, op_name)] += s
+    seconds[category(*hlo.get((pid, op), UNKNOWN))] += s
   seconds["decode loop: between thunks"] = idle_within(loops, thunks)
   seconds["host"] = max(wall - sum(seconds.values()), 0.0)
   # the chains' weight matmuls: their programs' dots with a [tokens, features] output
-  is_matmul = lambda _, rank, __, op_name: rank == 2 and op_name.endswith("dot_general")
-  matmuls = lambda thunks: sum(sec for k, sec in shares(thunks).items()
-                               if is_matmul(*hlo.get(thunks[k][2:], ("", 0, "", ""))))
-  chain_dots, prefill_dots = matmuls(chain_thunks), matmuls(prefill_thunks)
+  is_matmul = lambda _, rank, opcode, op_name, ___: rank == 2 and (opcode == "dot" or op_name.endswith("dot_general"))
+  summed = lambda thunks, which: sum(sec for k, sec in shares(thunks, waiting(thunks)).items()
+                                     if which(*hlo.get(thunks[k][2:], UNKNOWN)))
+  chain_dots, prefill_dots = summed(chain_thunks, is_matmul), summed(prefill_thunks, is_matmul)
   if top:
     slowest = collections.Counter()
     for k, sec in own.items():
       slowest[thunks[k][2:]] += sec
     for (pid, op), sec in slowest.most_common(top):
-      module, rank, opcode, op_name = hlo.get((pid, op), ("?", 0, "?", ""))
-      print(f"{sec * 1e3:8.2f} ms  {category(module, rank, op_name):32s} {module:14s} {op:40s} {op_name[-50:]}")
-  return dict(workload=workload, run_s=wall, new_tokens=tokens, decode_steps=steps,
+      info = hlo.get((pid, op), UNKNOWN)
+      print(f"{sec * 1e3:8.2f} ms  {category(*info):32s} {info[0]:14s} {op:40s} {info[3][-50:]}")
+  return dict(workload=workload, layout=layout, run_s=wall, new_tokens=tokens, decode_steps=steps,
               seconds={c: seconds[c] for c in CATEGORIES}, chain_s=chain_wall, chain_matmul_s=chain_dots,
+              chain_collectives_s=summed(chain_thunks, lambda _, __, opcode, ___, ____: collective(opcode)),
               matmuls_over_chain=seconds["decode loop: weight matmuls"] / chain_dots,
               prefill_chain_matmul_s=prefill_dots,
               prefill_matmuls_over_chain=seconds["prefill: weight matmuls"] / prefill_dots)
@@ -220,6 +272,12 @@ def table(rows, attention) -> str:
                " | ".join(f"**{r['matmuls_over_chain']:.2f}x** | " for r in rows) + " |")
   lines.append("| prefill's weight matmuls, ours / the prefill chain's | " +
                " | ".join(f"**{r['prefill_matmuls_over_chain']:.2f}x** | " for r in rows) + " |")
+  if rows[0]["layout"] != "1":
+    lines.append("| the chain's collectives | " + " | ".join(
+        f"{r['chain_collectives_s'] * 1e3:.1f} | {r['chain_collectives_s'] / r['chain_s']:.0%} of the chain"
+        for r in rows) + " |")
+  if not attention:
+    return "\n".join(lines)
   ways = [k for k in attention[0] if k != "columns"]
   lines += [
       "", "| decode attention alone, cache columns | " + " | ".join(f"{w}, GB/s" for w in ways) + " |",
@@ -234,16 +292,24 @@ def main():
   ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W5"], choices=("W1", "W2", "W5"))
   ap.add_argument("--rounds", type=int, default=3, help="traced runs of each, the fastest kept")
   ap.add_argument("--top", type=int, default=0, help="print each run's slowest thunks")
+  ap.add_argument("--layout", default="1", choices=("1", "2x2"),
+                  help="the rollout pool: one device, or data 2 x tensor 2 on 4 simulated CPU devices (rollout.py's)")
   ap.add_argument("--readme", action="store_true", help="write the table into benchmarks/README.md")
   args = ap.parse_args()
+  import rollout
+  if args.layout != "1":
+    from jaxrl_hex.meshes import prepare_cpu_devices
+    prepare_cpu_devices(rollout.device_count(args.layout))
   try:
-    rows = [profile(w, args.rounds, args.top) for w in args.workloads]
-    attention = attention_rates(2 * args.rounds + 1)
+    rows = [profile(w, args.rounds, args.top, args.layout) for w in args.workloads]
+    attention = attention_rates(2 * args.rounds + 1) if args.layout == "1" else []
   finally:
     shutil.rmtree(DUMP, ignore_errors=True)
   from readme_section import report
-  report(os.path.join(HERE, "out", "decode_profile.json"), dict(runs=rows, attention=attention), table(rows, attention),
-         args.readme, "decode-profile", "Where a rollout's time goes (benchmarks/decode_profile.py)")
+  suffix = "" if args.layout == "1" else f"_{args.layout}"
+  report(os.path.join(HERE, "out", f"decode_profile{suffix}.json"), dict(runs=rows, attention=attention),
+         table(rows, attention), args.readme, f"decode-profile{suffix.replace('_', '-')}",
+         f"Where a rollout's time goes{suffix.replace('_', ', ')} (benchmarks/decode_profile.py)")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ ENGINES = ("ours", "naive", "tunix")
 LAYOUTS = {"1": {}, "2x2": {"data": 2, "tensor": 2}}  # mesh axes of the rollout pool
 
 
+def device_count(layout: str) -> int:
+  return int(np.prod(list(LAYOUTS[layout].values()) or [1]))
+
+
 def workload(name: str) -> dict:
   """prompts [n, P] token ids (BOS first), group (samples per prompt), budgets [n * group] (prompt-major), slots."""
   rng = np.random.default_rng(0)
@@ -102,8 +106,7 @@ def _our_policy(layout="1", scan_layers=False):
   from jaxrl_hex import meshes
   from jaxrl_hex.models.config import model_config
   from jaxrl_hex.models.policy import Policy
-  axes = LAYOUTS[layout]
-  n = int(np.prod(list(axes.values()) or [1]))
+  axes, n = LAYOUTS[layout], device_count(layout)
   pool = meshes.Pool(meshes.PoolSpec("rollout", tuple(range(n)), axes, dict(meshes.DEFAULT_RULES)), jax.devices()[:n])
   policy = Policy.build(model_config(**MODEL, scan_layers=scan_layers))
   return pool, policy, policy.init(0, pool.shardings_for(policy.logical_axes(), policy.shapes()))
@@ -365,7 +368,7 @@ def main(argv=None):
   import jax
   if args.layout != "1":
     from jaxrl_hex.meshes import prepare_cpu_devices
-    prepare_cpu_devices(int(np.prod(list(LAYOUTS[args.layout].values()))))
+    prepare_cpu_devices(device_count(args.layout))
   w = workload(args.workload)
   if args.engine == "ours":
     out = run_ours(w, args.repeats, args.steps_per_sync, args.kv_page_size, args.layout, args.scan_layers,
