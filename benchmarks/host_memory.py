@@ -27,8 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 STEPS = """
 import json, resource, sys
-from jaxrl_hex.host_memory import restart_with_huge_pages
-restart_with_huge_pages()  # mode huge: as the jaxrl-hex program starts
+from jaxrl_hex.host_memory import restart_with_tunables
+restart_with_tunables()  # as the jaxrl-hex program starts
 sys.path.insert(0, {here!r})
 import train_vs_tunix as B  # prepare_cpu_devices: host_memory as the CLI sets it up
 step, _ = B.ours_w3(64, 32, 64, False, {layout!r})
@@ -44,8 +44,8 @@ print(json.dumps(rows))
 
 W4 = """
 import json, sys
-from jaxrl_hex.host_memory import restart_with_huge_pages
-restart_with_huge_pages()
+from jaxrl_hex.host_memory import restart_with_tunables
+restart_with_tunables()
 sys.path.insert(0, {here!r})
 from train_vs_tunix import W4_WORKLOAD, ours_w4, w4_task  # the loop loads its task as __main__:w4_task
 print(json.dumps(ours_w4(**W4_WORKLOAD, steps={steps}, eta={eta}, layout={layout!r})))

@@ -355,8 +355,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   in_tunix_venv = os.path.realpath(sys.prefix) == os.path.realpath(os.path.dirname(os.path.dirname(TUNIX_PYTHON)))
   if not in_tunix_venv:  # (that venv has no jaxrl_hex; it inherits the tunable from this process)
-    from jaxrl_hex.host_memory import restart_with_huge_pages
-    restart_with_huge_pages()  # under JAXRL_HEX_MALLOC=huge, as the jaxrl-hex program does (jaxrl_hex/host_memory.py)
+    from jaxrl_hex.host_memory import restart_with_tunables
+    restart_with_tunables()  # with glibc's tunables, as the jaxrl-hex program starts (jaxrl_hex/host_memory.py)
   if args.engine == "tunix" and not in_tunix_venv:
     if not os.path.exists(TUNIX_PYTHON):
       raise SystemExit(f"{TUNIX_PYTHON} is missing; run: bash benchmarks/setup_tunix.sh")

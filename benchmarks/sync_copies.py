@@ -1,9 +1,10 @@
-"""Weight sync's copies with and without streaming stores, a setting tried in session 35 and not
-made the default: glibc's tunable glibc.cpu.x86_non_temporal_threshold, which a process reads
-only when it starts. Processes started alternately under each setting, each measuring 128 MB
-copied whole and in 1 MiB pieces (one thread) and device_put sync's round back to back
-(benchmarks/cluster.py's model and layouts: publish, settle beside it, receive) against one
-memcpy, the best of `--rounds` rounds; the table keeps each setting's best process.
+"""Weight sync's copies with and without streaming stores: glibc's tunable
+glibc.cpu.x86_non_temporal_threshold, which a process reads only when it starts (every jaxrl-hex
+process restarts itself with it, host_memory.restart_with_tunables; this script's children do
+not). Processes started alternately under each setting, each measuring 128 MB copied whole and in
+1 MiB pieces (one thread) and device_put sync's round back to back (benchmarks/cluster.py's model
+and layouts: publish, settle beside it, receive) against one memcpy, the best of `--rounds`
+rounds; the table keeps each setting's best process.
 
   python benchmarks/sync_copies.py [--processes 3] [--rounds 16] [--readme]
       ->  benchmarks/out/sync_copies.json

@@ -84,6 +84,6 @@ def main():
 
 
 if __name__ == "__main__":
-  from jaxrl_hex.host_memory import restart_with_huge_pages
-  restart_with_huge_pages()  # under JAXRL_HEX_MALLOC=huge, as the jaxrl-hex program does (jaxrl_hex/host_memory.py)
+  from jaxrl_hex.host_memory import restart_with_tunables
+  restart_with_tunables()  # with glibc's tunables, as the jaxrl-hex program starts (jaxrl_hex/host_memory.py)
   main()

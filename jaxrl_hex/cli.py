@@ -6,7 +6,7 @@ import sys
 from jaxrl_hex import __version__
 from jaxrl_hex.arguments import fail
 from jaxrl_hex.errors import UserError
-from jaxrl_hex.host_memory import restart_with_huge_pages
+from jaxrl_hex.host_memory import restart_with_tunables
 
 USAGE = """usage: jaxrl-hex COMMAND [flags]      (jaxrl-hex COMMAND --help for its flags)
 
@@ -66,10 +66,10 @@ def main(argv=None) -> int:
 
 
 def entry():
-  """The `jaxrl-hex` program: under JAXRL_HEX_MALLOC=huge, a restart with glibc's huge pages first
-  (host_memory), then the command."""
+  """The `jaxrl-hex` program: a restart with glibc's tunables first where it started without them
+  (host_memory: streaming copies; huge pages under JAXRL_HEX_MALLOC=huge), then the command."""
   try:
-    restart_with_huge_pages()
+    restart_with_tunables()
   except UserError as e:
     sys.exit(fail(str(e)))
   sys.exit(main())

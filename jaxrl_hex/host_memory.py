@@ -5,7 +5,20 @@ block per call (a W3 train step's: 897 MB). glibc serves a block that large by m
 by munmap when the call ends, so each call maps fresh pages and the kernel faults every one in:
 219k faults of 4 KiB pages and 0.3-0.5 s of a 1.8-2.4 s W3 step on this machine. Whatever the
 mode, a smaller program faults less: in micro-batches (algo.micro_batch_tokens, 1,536 tokens for
-W3) the block is one micro-batch's, a quarter of the faults and the step 1.15x faster. The modes:
+W3) the block is one micro-batch's, a quarter of the faults and the step 1.15x faster.
+
+Whatever the mode, on x86 glibc a program starts with glibc.cpu.x86_non_temporal_threshold=0x40000:
+memcpy of 256 KiB or more stores past the cache (non-temporal stores), as glibc does by itself
+only above three quarters of the L3 cache's share per thread (114 MiB on this project's 300 MB-L3
+VMs; a few MiB on common servers). Weight sync copies a model in region pieces of 0.1-2 MiB,
+written once and read only by the next version's decode steps: with the cache's stores each
+piece's destination is read in first, and 128 MB copied in 1 MiB pieces ran at 5.8 GB/s against
+10.9 for one 128 MB memcpy, with it at 10.0 (by hand, one thread). benchmarks/README.md's
+weight-sync section has what it changed there (stacked params: device_put 1.27x -> 1.10x one
+memcpy, the object store 3.58x -> 2.98x); decode (W1, W2) and the main job ran as fast with it.
+A GLIBC_TUNABLES that already sets it is left as it is.
+
+The modes:
 
 - system (the default): malloc as glibc sets it up.
 - huge: glibc's tunable glibc.malloc.hugetlb=1 (glibc >= 2.35) advises the kernel to back such
@@ -19,9 +32,9 @@ W3) the block is one micro-batch's, a quarter of the faults and the step 1.15x f
   faults in at 0.2 GB/s against 2.2 GB/s for 4 KiB pages (10 GB/s for a freed page reused at
   once), and a whole RL step, whose trainer idles while the engine generates, ran 1.1-1.7x
   slower (W4 on this machine, benchmarks/README.md's host-memory section), hence not the
-  default. glibc reads tunables only when a process starts, so restart_with_huge_pages() re-runs
-  a program's command line with it (the CLI's first step); child processes and Ray workers
-  inherit it. In a notebook it applies only if the kernel was started with
+  default. glibc reads tunables only when a process starts, so restart_with_tunables() re-runs a
+  program's command line with it (the CLI's first step); child processes and Ray workers inherit
+  it. In a notebook it applies only if the kernel was started with
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1. A GLIBC_TUNABLES that already sets glibc.malloc.hugetlb
   is left as it is. Where the glibc or the kernel cannot serve it, the program says so in one
   line on stderr and runs on.
@@ -35,12 +48,14 @@ W3) the block is one micro-batch's, a quarter of the faults and the step 1.15x f
 """
 import ctypes
 import os
+import platform
 import sys
 
 from jaxrl_hex.errors import UserError
 
 MODES = ("system", "huge", "keep")
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+STREAMING_COPIES_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x40000"  # every mode, x86 glibc
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 # glibc's mallopt(3) parameters
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
@@ -73,17 +88,18 @@ def kernel_offers_huge_pages() -> bool:
     return False
 
 
-def with_huge_pages(env: dict) -> dict:
-  """env plus glibc's huge-page tunable, after any tunables it already sets (unless one is it)."""
-  tunables = env.get("GLIBC_TUNABLES", "")
-  if any(t.split("=")[0] == HUGE_PAGES_TUNABLE.split("=")[0] for t in tunables.split(":")):
-    return dict(env)
-  return dict(env, GLIBC_TUNABLES=f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables else HUGE_PAGES_TUNABLE)
+def with_tunables(env: dict, tunables) -> dict:
+  """env plus each of `tunables` whose name its GLIBC_TUNABLES does not set yet, after those it
+  sets (the user's own setting of one stands)."""
+  have = env.get("GLIBC_TUNABLES", "")
+  named = {t.split("=")[0] for t in have.split(":")}
+  added = [t for t in tunables if t.split("=")[0] not in named]
+  return dict(env, GLIBC_TUNABLES=":".join([have] * bool(have) + added)) if added else dict(env)
 
 
 def _huge_pages_asked() -> bool:
   """Mode huge, and this process started without the tunable."""
-  return malloc_mode() == "huge" and with_huge_pages(os.environ) != dict(os.environ)
+  return malloc_mode() == "huge" and with_tunables(os.environ, [HUGE_PAGES_TUNABLE]) != dict(os.environ)
 
 
 def _unservable() -> str | None:
@@ -108,17 +124,26 @@ def huge_pages_pending() -> bool:
   return _huge_pages_asked() and _unservable() is None
 
 
-def restart_with_huge_pages():
-  """Re-run this process's command line with the tunable where huge_pages_pending(): call it first
-  thing in a program's entry point (it replaces the process; nothing before it is kept). Where
-  mode huge cannot be served, one line on stderr says why and the program runs on as it is."""
+def tunables() -> list:
+  """The glibc tunables a program runs with: streaming copies on x86 glibc, and huge pages under
+  mode huge where this machine can serve them."""
+  streaming = bool(_glibc_version()) and platform.machine() in ("x86_64", "AMD64")
+  huge = malloc_mode() == "huge" and _unservable() is None
+  return [STREAMING_COPIES_TUNABLE] * streaming + [HUGE_PAGES_TUNABLE] * huge
+
+
+def restart_with_tunables():
+  """Re-run this process's command line with tunables() where it started without one of them:
+  call it first thing in a program's entry point (it replaces the process; nothing before it is
+  kept). Where mode huge cannot be served, one line on stderr says why and the program runs on."""
   missing = huge_pages_missing()
   if missing:
     print(f"jaxrl-hex: JAXRL_HEX_MALLOC=huge: {missing}; running with malloc as glibc sets it up", file=sys.stderr)
-  elif huge_pages_pending():
+  env = with_tunables(os.environ, tunables())
+  if env != dict(os.environ):
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], with_huge_pages(os.environ))
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def keep_freed_memory() -> bool:
