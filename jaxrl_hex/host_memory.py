@@ -14,8 +14,9 @@ VMs; a few MiB on common servers). Weight sync copies a model in region pieces o
 written once and read only by the next version's decode steps: with the cache's stores each
 piece's destination is read in first, and 128 MB copied in 1 MiB pieces ran at 5.8 GB/s against
 10.9 for one 128 MB memcpy, with it at 10.0 (by hand, one thread). benchmarks/README.md's
-weight-sync section has what it changed there (stacked params: device_put 1.27x -> 1.10x one
-memcpy, the object store 3.58x -> 2.98x); decode (W1, W2) and the main job ran as fast with it.
+weight-sync section has what it changed there (stacked params, back to back without and with it:
+device_put 1.31x -> 1.08x one memcpy, the object store 3.44x -> 2.78x); decode (W1, W2; W5 within
+this VM's swing) and the main job ran as fast with it.
 A GLIBC_TUNABLES that already sets it is left as it is.
 
 The modes:
