@@ -73,9 +73,10 @@ def _instructions() -> dict:
         continue
       called = set()
       for key, names in _CALLED.findall(line):  # (a while's output is a tuple: no _LINE match)
-        called.update(re.findall(r"%([\w.\-]+)", names))
+        names = set(re.findall(r"%([\w.\-]+)", names))
+        called |= names
         if key == "body" and " while(" in line:
-          bodies.update(re.findall(r"%([\w.\-]+)", names))
+          bodies |= names
       calls[computation] |= called
       if " dot(" in line:
         dots.add(computation)
@@ -196,8 +197,9 @@ def profile(workload: str, rounds: int, top: int = 0, layout: str = "1") -> dict
   wall, thunks, loops = fastest(lambda: rollout.run_workload(engine, w, 3))
   (chain_wall, chain_thunks, _), (_, prefill_thunks, _) = map(fastest, chains)
   hlo = _instructions()
-  waiting = lambda thunks: frozenset(k for k, t in enumerate(thunks) if collective(hlo.get(t[2:], UNKNOWN)[2]))
-  seconds, own = collections.Counter(), shares(thunks, waiting(thunks))
+  own_shares = lambda thunks: shares(
+      thunks, frozenset(k for k, t in enumerate(thunks) if collective(hlo.get(t[2:], UNKNOWN)[2])))
+  seconds, own = collections.Counter(), own_shares(thunks)
   for k, s in own.items():
     _, _, pid, op = thunks[k]
     seconds[category(*hlo.get((pid, op), UNKNOWN))] += s
@@ -205,9 +207,11 @@ def profile(workload: str, rounds: int, top: int = 0, layout: str = "1") -> dict
   seconds["host"] = max(wall - sum(seconds.values()), 0.0)
   # the chains' weight matmuls: their programs' dots with a [tokens, features] output
   is_matmul = lambda _, rank, opcode, op_name, ___: rank == 2 and (opcode == "dot" or op_name.endswith("dot_general"))
-  summed = lambda thunks, which: sum(sec for k, sec in shares(thunks, waiting(thunks)).items()
-                                     if which(*hlo.get(thunks[k][2:], UNKNOWN)))
-  chain_dots, prefill_dots = summed(chain_thunks, is_matmul), summed(prefill_thunks, is_matmul)
+  is_collective = lambda _, __, opcode, ___, ____: collective(opcode)
+  summed = lambda thunks, split, which: sum(sec for k, sec in split.items() if which(*hlo.get(thunks[k][2:], UNKNOWN)))
+  chain_split = own_shares(chain_thunks)
+  chain_dots = summed(chain_thunks, chain_split, is_matmul)
+  prefill_dots = summed(prefill_thunks, own_shares(prefill_thunks), is_matmul)
   if top:
     slowest = collections.Counter()
     for k, sec in own.items():
@@ -217,7 +221,7 @@ def profile(workload: str, rounds: int, top: int = 0, layout: str = "1") -> dict
       print(f"{sec * 1e3:8.2f} ms  {category(*info):32s} {info[0]:14s} {op:40s} {info[3][-50:]}")
   return dict(workload=workload, layout=layout, run_s=wall, new_tokens=tokens, decode_steps=steps,
               seconds={c: seconds[c] for c in CATEGORIES}, chain_s=chain_wall, chain_matmul_s=chain_dots,
-              chain_collectives_s=summed(chain_thunks, lambda _, __, opcode, ___, ____: collective(opcode)),
+              chain_collectives_s=summed(chain_thunks, chain_split, is_collective),
               matmuls_over_chain=seconds["decode loop: weight matmuls"] / chain_dots,
               prefill_chain_matmul_s=prefill_dots,
               prefill_matmuls_over_chain=seconds["prefill: weight matmuls"] / prefill_dots)
