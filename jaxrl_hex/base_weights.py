@@ -18,6 +18,7 @@ from jaxrl_hex.config import read_run_config, resolve_path
 from jaxrl_hex.errors import ConfigError
 from jaxrl_hex.models import lora
 from jaxrl_hex.models.hf import load_params
+from jaxrl_hex.models.model_dir import resolve_model_dir
 from jaxrl_hex.sft import run_sft
 from jaxrl_hex.sync.fingerprint import fingerprint, first_difference
 
@@ -42,7 +43,7 @@ def first_weights(rt, workdir, resume, recorder, warm_start=True):
   elif cfg.init_from:
     params, record = _from_run(rt, cfg.init_from, shardings)
   elif cfg.get("model_dir"):
-    params, record = load_params(resolve_path(cfg.model_dir), base.cfg, shardings), {"model_dir": cfg.model_dir}
+    params, record = load_params(resolve_model_dir(cfg.model_dir), base.cfg, shardings), {"model_dir": cfg.model_dir}
   elif not warm_start:
     check_base_source(cfg)
     params = base.init(cfg.seed, shardings)
@@ -132,7 +133,7 @@ def write_record(path: str, record: dict):
 def load_base(base, record: dict, shardings, field: str):
   """The base a LoRA run's record names, in `shardings`; refuses one whose fingerprint differs."""
   if "model_dir" in record:
-    params = load_params(resolve_path(record["model_dir"]), base.cfg, shardings)
+    params = load_params(resolve_model_dir(record["model_dir"]), base.cfg, shardings)
     where = f"model_dir={record['model_dir']}"
   else:
     params = Checkpointer(record["checkpoint"]).restore({"params": _like(base, shardings)}, record["step"],

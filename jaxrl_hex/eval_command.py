@@ -22,11 +22,12 @@ import jax
 from jaxrl_hex import arguments
 from jaxrl_hex.checkpoint import Checkpointer, step_arg
 from jaxrl_hex.commands import DEFAULT_CONFIG, config_overrides
-from jaxrl_hex.config import apply_overrides, load_config_file, read_run_config, resolve_path
+from jaxrl_hex.config import apply_overrides, load_config_file, read_run_config
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.evaluation import greedy_completions, rewards, sampled_completions
 from jaxrl_hex.generate import check_prompts, checkpoint_engine, prepare_devices, saved_step
 from jaxrl_hex.models.hf import load_params
+from jaxrl_hex.models.model_dir import resolve_model_dir
 from jaxrl_hex.rollout.engine import Engine, Request, engine_options
 from jaxrl_hex.runtime import build_runtime
 from jaxrl_hex.tasks.scoring import RewardScorer
@@ -38,7 +39,9 @@ def _parser():
   ap = arguments.Parser("jaxrl-hex eval", __doc__.splitlines()[0])
   source = ap.add_mutually_exclusive_group(required=True)
   source.add_argument("--workdir", help="a train or sft run (its config.json and checkpoints/)")
-  source.add_argument("--model-dir", help="a Hugging Face model directory, with --config's task, mesh and rollout")
+  source.add_argument(
+      "--model-dir", help="a Hugging Face model directory, a .gguf file or a packaged model's name "
+      "(SmolLM2-135M-Instruct), with --config's task, mesh and rollout")
   ap.add_argument("--config", default=None,
                   help=f"with --model-dir: the config file giving the task and mesh (default {DEFAULT_CONFIG})")
   ap.add_argument(
@@ -76,14 +79,15 @@ def _check_args(args):
   if args.workdir and args.config is not None:
     raise UserError(f"--config={args.config}: --workdir is scored with the run's saved config.json; drop --config "
                     "and set the fields to change with --config.SECTION.FIELD=VALUE")
-  if args.model_dir and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
-    raise UserError(f"--model-dir: {args.model_dir} has no config.json; point it at a Hugging Face model directory "
-                    "(config.json, tokenizer files, *.safetensors)")
   if args.model_dir and args.out is None:
     raise UserError("--model-dir: there is no run directory to write the results in; name the JSON file with "
                     "--out=FILE")
   if args.out is not None:
     arguments.check_out_file(args.out, "eval.json")
+  model_dir = resolve_model_dir(args.model_dir, "--model-dir") if args.model_dir else None
+  if model_dir and not os.path.isfile(os.path.join(model_dir, "config.json")):
+    raise UserError(f"--model-dir: {args.model_dir} has no config.json; point it at a Hugging Face model directory "
+                    "(config.json, tokenizer files, *.safetensors), a .gguf file or a packaged model's name")
 
 
 def _read_records(path):
@@ -146,7 +150,7 @@ def run_eval(args, unparsed) -> dict:
     base = rt.policy.base()
     engine = Engine(base, rt.pool("rollout"), rt.tokenizer, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
                     **options)
-    engine.load_weights(0, load_params(resolve_path(cfg.model_dir), base.cfg, engine.param_shardings))
+    engine.load_weights(0, load_params(resolve_model_dir(cfg.model_dir), base.cfg, engine.param_shardings))
   version = engine.version
   scorer = RewardScorer(rt.task, r.reward_timeout_s)
   t0 = time.perf_counter()

@@ -19,6 +19,7 @@ from jaxrl_hex.errors import ConfigError, UserError
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.families import EXECUTION_FIELDS, PRECISION_FIELDS
 from jaxrl_hex.models.hf import hf_model_config
+from jaxrl_hex.models.model_dir import resolve_model_dir
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.rl.objectives import validate_algo
 from jaxrl_hex.sync import METHODS, TRANSPORTS
@@ -157,7 +158,7 @@ def build_runtime(cfg, own_runtime=False, replica=None, check_prompts=True) -> R
     # (remat, scan, attention and logprob blocking) and the adapters on the model stay the run's
     with cfg.unlocked():
       own = {k: cfg.model[k] for k in PRECISION_FIELDS + EXECUTION_FIELDS if k in cfg.model}
-      cfg.model = hf_model_config(resolve_path(cfg.model_dir), lora=cfg.model.lora.to_dict(), **own)
+      cfg.model = hf_model_config(resolve_model_dir(cfg.model_dir), lora=cfg.model.lora.to_dict(), **own)
   task = load_task(cfg.task, cfg, check_prompts)
   if cfg.model.vocab_size == 0:  # "auto": the task tokenizer's size, rounded up so it shards
     with cfg.unlocked():

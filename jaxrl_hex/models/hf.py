@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jaxrl_hex import meshes
 from jaxrl_hex.models.decoder import causal_mask, init_cache
 from jaxrl_hex.models.families import HFModelError, config_from_hf, family_of, hf_config, read_config
+from jaxrl_hex.models.model_dir import resolve_model_dir
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.safetensors_files import SINGLE, SafetensorsDir, write_safetensors
 
@@ -300,11 +301,13 @@ def _pool(mesh):
 
 def from_hf(path: str, mesh=None, param_dtype: str | None = None, dtype: str | None = None,
             scan_layers: bool = False) -> CausalLM:
-  """A Hugging Face model directory as a CausalLM, its weights sharded over `mesh` (a
-  meshes.Pool or a jax Mesh with axes data/fsdp/tensor) or on the default device.
+  """A Hugging Face model directory (or a .gguf file or packaged model: models/model_dir.py) as a
+  CausalLM, its weights sharded over `mesh` (a meshes.Pool or a jax Mesh with axes
+  data/fsdp/tensor) or on the default device.
   param_dtype / dtype: stored weights / compute; default: the checkpoint's dtype.
   scan_layers: each layer's tensors stacked into [L, ...] params (model.scan_layers)."""
   overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype), ("scan_layers", scan_layers)) if v}
+  path = resolve_model_dir(path)
   cfg = hf_model_config(path, **overrides)
   policy = Policy.build(cfg)
   pool = _pool(mesh)

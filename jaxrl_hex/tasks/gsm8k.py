@@ -13,6 +13,7 @@ import re
 from fractions import Fraction
 
 from jaxrl_hex.config import resolve_path
+from jaxrl_hex.models.model_dir import resolve_model_dir
 from jaxrl_hex.models.tokenizer import HFTokenizer
 from jaxrl_hex.tasks import Task, TaskError
 
@@ -87,7 +88,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 def hf_tokenizer(config) -> HFTokenizer:
   """config.model_dir's tokenizer; task_args.eos_token ("" = its own) names the token that ends a completion."""
-  return HFTokenizer(resolve_path(config.model_dir), eos_token=config.task_args.get("eos_token") or None)
+  return HFTokenizer(resolve_model_dir(config.model_dir), eos_token=config.task_args.get("eos_token") or None)
 
 
 def prompt_formatter(tokenizer, args, plain: str):
