@@ -12,17 +12,23 @@ import os
 import ml_collections
 
 from jaxrl_hex.errors import ConfigError
-from jaxrl_hex.models.config import DEFAULTS as MODEL_DEFAULTS
+from jaxrl_hex.models.config import AUTO, AUTO_FIELDS, DEFAULTS as MODEL_DEFAULTS
 from jaxrl_hex.specs import load_module
+
+# The mesh file a run uses unless its config names another. Its layout adapts to the model: a pool whose
+# tensor axis cannot split the model's heads, MLP or vocab is laid out again (runtime.fit_mesh).
+DEFAULT_MESH_FILE = "meshes/cpu-8.yaml"
 
 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.mesh_file = "meshes/cpu-8.yaml"
+  c.mesh_file = DEFAULT_MESH_FILE
   c.task = "arith"  # built-in name or path/to/file.py:make_task
   c.task_args = ml_collections.ConfigDict({"digits": 2, "eval_size": 256})
   c.model = ml_collections.ConfigDict(MODEL_DEFAULTS)
+  # "auto" or a bool: scanned from 9 layers on (models.config.auto_scan_layers); model.dtype may be "auto" too
+  c.model.scan_layers = ml_collections.FieldReference(AUTO, field_type=object)
   # a workdir to start RL from: its latest checkpoint, or WORKDIR:best its best one (train.keep_best) or
   # WORKDIR:N step N; "" = warm start
   c.init_from = ""
@@ -237,11 +243,14 @@ def apply_overrides(cfg, overrides):
     if isinstance(node, ml_collections.ConfigDict):
       raise ConfigError(f"--config.{key} is a section, not a field; set its fields, e.g. "
                         f"--config.{key}.{sorted(node.keys())[0]}=...")
+    like, kind = node, type(node).__name__
+    if parents == ["model"] and leaf in AUTO_FIELDS:  # "auto", or a value of the field's own type
+      like = AUTO if text == AUTO else MODEL_DEFAULTS[leaf]
+      kind = f"{type(MODEL_DEFAULTS[leaf]).__name__} or {AUTO!r}"
     try:
-      parent[leaf] = _parse(text, node)
+      parent[leaf] = _parse(text, like)
     except (TypeError, ValueError, SyntaxError):
-      raise ConfigError(f"--config.{key}={text!r} is not a {type(node).__name__} (the field's default is "
-                        f"{node!r})") from None
+      raise ConfigError(f"--config.{key}={text!r} is not a {kind} (the field's default is {node!r})") from None
 
 
 def _parse(text: str, current):

@@ -358,6 +358,46 @@ def check_replica_shares(path, spec: PoolSpec, prompts: int, group_size: int, no
                     "shares sum to 1 over the fleet")
 
 
+def relayouts(spec: PoolSpec) -> list:
+  """Other layouts of a pool's devices that split heads, MLP and vocab less, nearest first: its tensor
+  degree lowered step by step, what it gives up going to a batch axis (the pool's own, fsdp on a train
+  pool or data on a rollout pool, first), so a model the tensor axis cannot split runs on the same
+  devices. Pools of replica groups have a layout per group (check_replica_layouts)."""
+  tensor = spec.axes.get("tensor", 1)
+  if tensor == 1 or spec.groups:
+    return []
+  own = [a for a in ("fsdp", "data") if a in spec.axes]
+  batch = own + [a for a in (("fsdp", "data") if spec.name == "train" else ("data", "fsdp")) if a not in own]
+  out = []
+  for degree in (d for d in range(tensor - 1, 0, -1) if tensor % d == 0):
+    for axis in batch:
+      axes = {a: n for a, n in spec.axes.items() if a != "tensor"}
+      axes[axis] = axes.get(axis, 1) * tensor // degree
+      out.append(dataclasses.replace(spec, axes=dict(axes, tensor=degree) if degree > 1 else axes))
+  return out
+
+
+def format_axes(axes: dict) -> str:
+  """A mesh as a mesh file writes it: {fsdp: 2, tensor: 2}."""
+  return "{" + ", ".join(f"{a}: {n}" for a, n in axes.items()) + "}"
+
+
+def shipped_mesh_files(platform: str) -> list:
+  """The repository's hand-written mesh files for one JAX runtime on `platform` (then those for any
+  platform): their paths as meshes/NAME.yaml, each loaded; for an error to name one that works."""
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meshes")
+  found = []
+  for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+    try:
+      mesh_file = load_mesh_file(os.path.join(root, name))
+    except MeshError:  # the planner's cluster descriptions share the directory
+      continue
+    pools = mesh_file.pools.values()
+    if mesh_file.workload is None and all(p.processes == 1 and not p.groups for p in pools):
+      found.append((f"meshes/{name}", mesh_file))
+  return [f for f in found if f[1].platform == platform] + [f for f in found if f[1].platform == "any"]
+
+
 def check_replica_layouts(path, spec: PoolSpec, axes_tree, shapes_tree, fix: str):
   """Every replica group's own layout shards the policy (check_shardable on each of replica_specs());
   the message names the group, pools.NAME.replicas[i], and `fix`."""

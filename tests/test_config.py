@@ -67,3 +67,17 @@ def test_config_files_that_cannot_load(tmp_path):
     load_config_file(str(tmp_path / "c.py"))
   with pytest.raises(Exception, match="does not exist"):
     load_config_file(str(tmp_path / "missing.py"))
+
+
+def test_scan_layers_takes_auto_or_a_bool_from_the_command_line_and_config_files():
+  cfg = base_config()
+  assert cfg.model.scan_layers == "auto" and cfg.model.dtype == "float32"
+  apply_overrides(cfg, [("model.scan_layers", "true"), ("model.dtype", "auto")])
+  assert cfg.model.scan_layers is True and cfg.model.dtype == "auto"
+  apply_overrides(cfg, [("model.scan_layers", "auto")])
+  assert cfg.model.scan_layers == "auto"
+  cfg.model.scan_layers = False  # a config file sets a bool over "auto"
+  assert cfg.model.scan_layers is False
+  with pytest.raises(ConfigError) as e:
+    apply_overrides(cfg, [("model.scan_layers", "maybe")])
+  assert str(e.value) == "--config.model.scan_layers='maybe' is not a bool or 'auto' (the field's default is False)"

@@ -95,3 +95,20 @@ def test_every_shipped_mesh_file_loads(name):
 def test_one_device_shared_by_both_pools(tmp_path):
   pools = meshes.build_pools(meshes.load_mesh_file(os.path.join(ROOT, "meshes", "single.yaml")))
   assert pools["train"].devices == pools["rollout"].devices
+
+
+def test_relayouts_fold_the_tensor_degree_into_the_pools_batch_axis_nearest_first(pools):
+  train, rollout = pools["train"].spec, pools["rollout"].spec
+  assert [s.axes for s in meshes.relayouts(train)] == [{"fsdp": 4}, {"fsdp": 2, "data": 2}]
+  assert [s.axes for s in meshes.relayouts(rollout)] == [{"data": 4}, {"data": 2, "fsdp": 2}]
+  wide = meshes.PoolSpec("train", tuple(range(8)), {"fsdp": 2, "tensor": 4}, meshes.DEFAULT_RULES)
+  assert [s.axes for s in meshes.relayouts(wide)][:2] == [{"fsdp": 4, "tensor": 2}, {"fsdp": 2, "data": 2, "tensor": 2}]
+  assert meshes.relayouts(meshes.PoolSpec("train", (0, 1), {"fsdp": 2}, meshes.DEFAULT_RULES)) == []
+  assert meshes.format_axes(train.axes) == "{fsdp: 2, tensor: 2}"
+
+
+def test_shipped_mesh_files_are_the_one_runtime_files_of_the_platform_then_any():
+  names = [path for path, _ in meshes.shipped_mesh_files("cpu")]
+  assert names[0] == "meshes/cpu-1-1.yaml" and names[-1] == "meshes/single.yaml"
+  assert "meshes/cpu-8.yaml" in names and not {"meshes/cpu-ray.yaml", "meshes/cpu-mixed.yaml"} & set(names)
+  assert not any(n.startswith(("meshes/cluster-", "meshes/plan-")) for n in names)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from support import ROOT, load_config
 
-from jaxrl_hex import cluster, commands, meshes, runtime
+from jaxrl_hex import cluster, commands, config, meshes, runtime
 from jaxrl_hex.errors import ConfigError, UserError
 from jaxrl_hex.meshes import MeshError
 from jaxrl_hex.models.policy import Policy
@@ -268,3 +268,58 @@ def test_every_program_goes_into_the_cache_however_quick_its_compile(tmp_path):
 
   assert len([n for n in cached("default") if n.endswith("-cache")]) == 1
   assert cached("threshold", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="60") == []
+
+
+# The demo's shapes with SmolLM2's heads: 9 query and 3 KV heads, which tensor 2 cannot split.
+NINE_HEADS = {"model.n_heads": 9, "model.n_kv_heads": 3, "model.head_dim": 8, "model.d_model": 48}
+
+
+def test_the_default_mesh_file_lays_out_again_a_model_its_tensor_axis_cannot_split(capsys):
+  cfg = load_config(**NINE_HEADS, mesh_file=config.DEFAULT_MESH_FILE)
+  rt = runtime.build_runtime(cfg)
+  assert {
+      role: spec.axes for role, spec in rt.mesh_file.pools.items()
+  } == {
+      "train": {
+          "fsdp": 4
+      },
+      "rollout": {
+          "data": 4
+      }
+  }
+  assert rt.mesh_file.pools["train"].device_ids == (0, 1, 2, 3)  # the same devices, another layout
+  assert capsys.readouterr().err == (
+      "jaxrl-hex: meshes/cpu-8.yaml: tensor 2 does not divide the model's 9 heads and 3 KV heads; running train on "
+      "{fsdp: 4} and rollout on {data: 4} instead (name a layout with --config.mesh_file)\n")
+
+
+def test_a_named_mesh_file_that_cannot_shard_the_model_names_one_that_can(tmp_path, capsys):
+  named = tmp_path / "mine.yaml"
+  named.write_text((MESHES / "cpu-8.yaml").read_text())
+  msg = _one_line(MeshError, runtime.build_runtime, load_config(**NINE_HEADS, mesh_file=str(named)))
+  assert msg == (f"{named}: pools.train (mesh {{fsdp: 2, tensor: 2}}) cannot shard the model: tensor 2 does not "
+                 "divide the model's 9 heads and 3 KV heads; use --config.mesh_file=meshes/cpu-1-1.yaml, or give "
+                 "pools.train.mesh {fsdp: 4}")
+  # A model the shipped default already fits is not laid out again, and nothing is printed.
+  rt = runtime.build_runtime(load_config(mesh_file=config.DEFAULT_MESH_FILE))
+  assert rt.mesh_file.pools["train"].axes == {"fsdp": 2, "tensor": 2} and capsys.readouterr().err == ""
+
+
+def test_auto_dtype_and_scan_are_chosen_for_the_model_and_platform_and_printed(capsys):
+  demo = runtime.build_runtime(load_config(**{"model.dtype": "auto"}))
+  assert (demo.cfg.model.dtype, demo.cfg.model.scan_layers) == ("float32", False)  # the demo as it always ran
+  assert demo.policy.cfg.scan_layers is False and capsys.readouterr().err == ""
+  deep = runtime.build_runtime(load_config(**{"model.dtype": "auto", "model.n_layers": 9}))
+  assert (deep.cfg.model.dtype, deep.cfg.model.scan_layers, deep.policy.cfg.scan_layers) == ("float32", True, True)
+  assert capsys.readouterr().err == (
+      "jaxrl-hex: model settings chosen for this model and platform: model.dtype='float32' (on CPU bfloat16 computes "
+      "slower), model.scan_layers=True (9 layers, one scanned layer compiles instead of all)\n")
+  pinned = runtime.build_runtime(load_config(**{"model.n_layers": 9, "model.scan_layers": False}))
+  assert pinned.cfg.model.scan_layers is False and capsys.readouterr().err == ""  # a value the config gives stands
+  one_chip = meshes.load_mesh_file(str(MESHES / "single.yaml"))
+  assert runtime.resolve_auto(load_config(**{"model.dtype": "auto"}), {
+      "dtype": "auto"
+  }, "gpu").startswith(
+      "model settings chosen for this model and platform: model.dtype='bfloat16' (compute on gpu; the master weights "
+      "stay float32)")
+  assert runtime._platform(one_chip) == "cpu"  # `any`: this runtime's

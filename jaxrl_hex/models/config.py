@@ -37,6 +37,7 @@ DEFAULTS = dict(
     # Layer params stacked [n_layers, ...] (logical axis "layers") and applied by one scan, so the
     # compiled program does not grow with depth; the KV cache is then one (keys, values) pair
     # stacked the same way. False: a list of layers, unrolled (checkpoints keep "layers/<i>/...").
+    # "auto" (the run config's default): scanned from SCAN_DEEPER_THAN + 1 layers.
     scan_layers=False,
     # Activation rematerialisation per layer under differentiation, trading compute for memory:
     # "none" keeps every activation the backward pass needs; "full" keeps only each layer's input
@@ -82,6 +83,22 @@ LORA_TARGETS = {
     "mlp.up_proj": ("mlp", "up", 1),
     "mlp.down_proj": ("mlp", "down", 1),
 }
+# A run config may leave model.dtype and model.scan_layers to the run ("auto"): chosen once as it starts
+# (runtime.resolve_auto), from the platform and the model's depth.
+AUTO = "auto"
+AUTO_FIELDS = ("dtype", "scan_layers")
+SCAN_DEEPER_THAN = 8  # layers: an unrolled program grows, and compiles longer, with every layer
+
+
+def auto_dtype(platform: str) -> str:
+  """Compute in float32 on CPU, where bfloat16 is slower; in bfloat16 on accelerators."""
+  return "float32" if platform == "cpu" else "bfloat16"
+
+
+def auto_scan_layers(n_layers: int) -> bool:
+  return n_layers > SCAN_DEEPER_THAN
+
+
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -92,7 +109,16 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   unknown = set(overrides) - set(DEFAULTS)
   if unknown:
     raise ValueError(f"model config: unknown field(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-  cfg = ml_collections.ConfigDict(dict(DEFAULTS, **overrides))
+  fields = dict(DEFAULTS, **overrides)
+  if fields["dtype"] == AUTO:
+    raise ValueError("model config: dtype='auto' is chosen by a run as it starts (from its platform); "
+                     "pass float32 or bfloat16")
+  if fields["scan_layers"] == AUTO:  # the depth alone decides; a run prints what it chose
+    fields["scan_layers"] = auto_scan_layers(fields["n_layers"])
+  if not isinstance(fields["scan_layers"], bool):
+    raise ValueError(f"model config: scan_layers={fields['scan_layers']!r}; use True, False or 'auto' (scan from "
+                     f"{SCAN_DEEPER_THAN + 1} layers)")
+  cfg = ml_collections.ConfigDict(fields)
   cfg.lora = ml_collections.ConfigDict(dict(DEFAULTS["lora"], **cfg.lora))  # a partial lora dict keeps the defaults
   cfg.lora.targets = tuple(cfg.lora.targets)
   if cfg.n_heads % cfg.n_kv_heads:

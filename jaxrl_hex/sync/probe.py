@@ -9,6 +9,8 @@ decoded token (at temperature 1; greedy decoding records those). The two reduce 
 orders over different layouts, so they agree to rounding, not bit for bit: sync.probe_tolerance is
 the largest per-token gap allowed, in nats.
 """
+import math
+
 import numpy as np
 
 from jaxrl_hex.sync.fingerprint import SyncMismatch, first_difference
@@ -23,9 +25,24 @@ def check(version: int, engine_logp, trainer_logp, tolerance: float, fingerprint
   if not gap.size or gap[worst] <= tolerance:
     return float(gap.max()) if gap.size else 0.0
   difference = first_difference(*fingerprints())
-  cause = (f"{difference}, so the transfer corrupted it" if difference else
-           "every leaf's fingerprint agrees, so the engine's program computes differently from the trainer's "
-           "(a model, cache or sharding bug, not the transfer)")
+  if difference:
+    cause = f"{difference}, so the transfer corrupted it"
+    fix = "start the run again" if version == 0 else "--resume continues from the last checkpoint"
+  else:
+    cause = "every leaf's fingerprint agrees, so the engine's program computes differently from the trainer's"
+    allow = f"--config.sync.probe_tolerance={_above(gap[worst])}"
+    if version == 0:  # nothing trained yet, so no checkpoint to resume: the programs' rounding or a bug
+      fix = (f"before this run's first step that is rounding or an engine bug: with model.dtype=bfloat16 run "
+             f"--config.model.dtype=float32, or allow the gap with {allow}")
+    else:
+      cause += " (a model, cache or sharding bug, or rounding that training grew)"
+      fix = f"--resume continues from the last checkpoint ({allow} allows the gap)"
   raise SyncMismatch(f"logprob probe at version {version}: probe token {worst}'s logprob is {engine_logp[worst]:.4f} "
                      f"on the rollout engine and {trainer_logp[worst]:.4f} on the trainer (gap {gap[worst]:.3g} > "
-                     f"sync.probe_tolerance={tolerance:g}); {cause}; --resume continues from the last checkpoint")
+                     f"sync.probe_tolerance={tolerance:g}); {cause}; {fix}")
+
+
+def _above(gap: float) -> str:
+  """The gap rounded up in its first significant digit (0.12 -> 0.2), as a flag value."""
+  unit = 10.0**math.floor(math.log10(gap))
+  return f"{math.ceil(gap / unit) * unit:.1g}"

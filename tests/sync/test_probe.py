@@ -28,3 +28,25 @@ def test_a_mismatch_names_the_leaf_that_differs():
 def test_a_mismatch_with_equal_weights_blames_the_engines_program():
   with pytest.raises(SyncMismatch, match="every leaf's fingerprint agrees, so the engine's program computes"):
     check(3, np.array([-0.5]), np.array([-0.9]), 0.02, lambda: (SAME, dict(SAME)))
+
+
+def test_at_version_0_the_fix_is_the_dtype_or_the_tolerance_not_a_resume():
+  """No step has run, so no checkpoint exists: the message names model.dtype and sync.probe_tolerance."""
+  with pytest.raises(SyncMismatch) as e:
+    check(0, np.array([-0.5, -1.12]), np.array([-0.5, -1.0]), 0.02, lambda: (SAME, dict(SAME)))
+  message = str(e.value)
+  assert message.endswith("every leaf's fingerprint agrees, so the engine's program computes differently from the "
+                          "trainer's; before this run's first step that is rounding or an engine bug: with "
+                          "model.dtype=bfloat16 run --config.model.dtype=float32, or allow the gap with "
+                          "--config.sync.probe_tolerance=0.2"), message
+  assert "--resume" not in message and "\n" not in message
+
+
+def test_later_the_fix_is_a_resume_and_a_corrupt_transfer_at_version_0_a_new_start():
+  with pytest.raises(
+      SyncMismatch, match=r"--resume continues from the last checkpoint "
+      r"\(--config.sync.probe_tolerance=0.04 allows the gap\)$"):
+    check(12, np.array([-0.534]), np.array([-0.5]), 0.02, lambda: (SAME, dict(SAME)))
+  differs = dict(SAME, **{"['embed']": (0.0, 2.0, 3.0, 4.0)})
+  with pytest.raises(SyncMismatch, match=r"so the transfer corrupted it; start the run again$"):
+    check(0, np.array([-3.0]), np.array([-1.0]), 0.02, lambda: (SAME, differs))
