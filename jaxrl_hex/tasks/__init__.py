@@ -14,6 +14,8 @@ __all__ = ["AgentTask", "EnvTask", "Task", "TaskError", "load_task"]
 
 BUILTIN = {
     "arith": "jaxrl_hex.tasks.arithmetic:make_task",
+    "arith_chat": "jaxrl_hex.tasks.chat_arithmetic:make_task",
+    "arith_chat_sub": "jaxrl_hex.tasks.chat_arithmetic:make_subtraction",
     "files": "jaxrl_hex.tasks.files:make_task",
     "calculator": "jaxrl_hex.tasks.calculator:make_env",
     "guess": "jaxrl_hex.tasks.guess:make_env",
