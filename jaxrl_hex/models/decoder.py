@@ -185,11 +185,14 @@ class Attention(nnx.Module):
       out = kernels.attention(q, keys.astype(dt), values.astype(dt), mask, self.scale, self.logit_cap, self.block,
                               self.kernel, self.windowed)
     else:  # plain batched matmuls in the order XLA:CPU runs fast: [B, KV, G*T, hd] @ [B, KV, hd, S]
-      scores = jnp.matmul(q.reshape(b, kv, g * t, hd), keys.astype(dt)).astype(jnp.float32)
+      # scores and sums in fp32, as the blockwise path has them: the engine's decode steps then
+      # round where the trainer's forward rounds
+      f32 = jnp.float32
+      scores = jnp.matmul(q.reshape(b, kv, g * t, hd), keys.astype(dt), preferred_element_type=f32)
       scores = softcap(scores.reshape(b, kv, g, t, -1) * self.scale, self.logit_cap)
       scores = jnp.where(mask[:, None, None], scores, -1e30)
       probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, kv, g * t, -1)
-      out = jnp.matmul(probs, values.astype(dt)).reshape(b, kv, g, t, hd)
+      out = jnp.matmul(probs, values.astype(dt), preferred_element_type=f32).astype(dt).reshape(b, kv, g, t, hd)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b * t, h * hd)  # wo: [heads, head_dim, d_model]
     return lora.project(self, "wo", out, dt, drops[3]).reshape(b, t, -1), cache
 
@@ -335,12 +338,15 @@ class Decoder(nnx.Module):
   def logits(self, x, columns=None):
     """Final hidden states x [..., d_model] -> fp32 logits [..., vocab] through the output head
     (the tied embeddings or lm_head) and the final soft-cap. columns: a slice of the vocabulary
-    to compute only those logits (the critic reads one column of its head)."""
+    to compute only those logits (the critic reads one column of its head). Accumulated and
+    returned in fp32: rounded to bf16, logits are 1/16 to 1/8 apart at the magnitudes a trained
+    model's top logits reach, and every logprob carries that rounding."""
     cfg = self.cfg
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
     if columns is not None:
       head = head[:, columns]
-    return softcap((x @ head.astype(jnp.dtype(cfg.dtype))).astype(jnp.float32), cfg.final_logit_softcap)
+    logits = jnp.matmul(x, head.astype(jnp.dtype(cfg.dtype)), preferred_element_type=jnp.float32)
+    return softcap(logits, cfg.final_logit_softcap)
 
 
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
