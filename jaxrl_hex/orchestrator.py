@@ -25,7 +25,7 @@ from jaxrl_hex.rl.batch import rl_batch
 from jaxrl_hex.rl.buffer import Buffer, Closed, Item
 from jaxrl_hex.rl.dynamic import GroupFilter
 from jaxrl_hex.rollout.episodes import episode_stats
-from jaxrl_hex.sync.probe import check as check_probe
+from jaxrl_hex.sync.probe import check as check_probe, tolerance_for
 from jaxrl_hex.tasks import episode_prompt, is_episodic
 from jaxrl_hex.tasks.scoring import RewardScorer
 
@@ -341,11 +341,13 @@ class Orchestrator:
 
   def _probe(self) -> float | None:
     """The weight-sync probe (sync/probe.py) of the newest weights on every rollout replica -> the
-    largest logprob gap; a gap over sync.probe_tolerance stops the run. Between a publish and the
-    next step, so the trainer holds the version the engines decode with."""
+    largest logprob gap; a gap over sync.probe_tolerance (a 16-bit float's rounding gap where
+    larger, probe.tolerance_for) stops the run. Between a publish and the next step, so the
+    trainer holds the version the engines decode with."""
     if not self.cfg.sync.probe_every:
       return None
     t0, gaps = time.time(), []
+    allowed = tolerance_for(self.cfg.sync.probe_tolerance, self.cfg.model.dtype)
     for probe in self.rollout.probe(self.probe_prompt, self._handle):
       if probe["version"] != self.train.version:
         continue  # a replica already past it (cannot happen between a publish and a step)
@@ -354,8 +356,8 @@ class Orchestrator:
       engine_logp, trainer_logp = ro.behaviour_logprobs[0][mask], self.train.score(ro)[0][mask]
       theirs = probe["fingerprint"]
       gaps.append(
-          check_probe(self.train.version, engine_logp, trainer_logp, self.cfg.sync.probe_tolerance,
-                      lambda theirs=theirs: (self.train.fingerprint(always=True), theirs)))
+          check_probe(self.train.version, engine_logp, trainer_logp, allowed, lambda theirs=theirs:
+                      (self.train.fingerprint(always=True), theirs)))
     self.recorder.span("train", "probe", t0, time.time(), version=self.train.version)
     return max(gaps, default=None)
 

@@ -7,13 +7,27 @@ cache, layout and dtype against the trainer's forward pass. Every sync.probe_eve
 engine greedy-decodes the task's first eval prompt and the trainer recomputes the logprob of each
 decoded token (at temperature 1; greedy decoding records those). The two reduce in different
 orders over different layouts, so they agree to rounding, not bit for bit: sync.probe_tolerance is
-the largest per-token gap allowed, in nats.
+the largest per-token gap allowed, in nats, raised to a 16-bit float's own rounding gap where the
+model computes in one (tolerance_for).
 """
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_hex.sync.fingerprint import SyncMismatch, first_difference
+
+# The per-token gap rounding alone may leave between the engine's program and the trainer's, per
+# unit of the compute dtype's machine epsilon (bfloat16: 1 nat, float16: 1/8): the two programs
+# round at different places (a decode step's one-row matmuls, the trainer's many-row ones) and
+# each layer carries the last one's difference on (benchmarks/bf16_gap.py measures it).
+ROUNDING_GAP_PER_EPS = 128
+
+
+def tolerance_for(configured: float, dtype) -> float:
+  """The gap the probe allows a model computing in `dtype` (model.dtype): sync.probe_tolerance, or
+  if larger the gap rounding alone may leave at that dtype's precision."""
+  return max(float(configured), ROUNDING_GAP_PER_EPS * float(jnp.finfo(dtype).eps))
 
 
 def check(version: int, engine_logp, trainer_logp, tolerance: float, fingerprints) -> float:

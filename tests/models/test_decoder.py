@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_hex.models.attention import Segments
 from jaxrl_hex.models.config import model_config, param_count
 from jaxrl_hex.models.decoder import causal_mask, init_cache
 from jaxrl_hex.models.policy import Policy
@@ -147,3 +148,31 @@ def test_hidden_states_through_the_head_are_apply_logits(cfg):
   np.testing.assert_allclose(policy.logits(params, hidden, columns=slice(0, 1)), logits[..., :1], rtol=1e-6, atol=1e-6)
   if cfg.final_logit_softcap:
     assert np.abs(np.asarray(logits)).max() <= cfg.final_logit_softcap
+
+
+BF16 = CFG.copy_and_resolve_references()
+BF16.dtype = "bfloat16"  # compute; the weights stay fp32
+
+
+def test_bf16_dense_attention_rounds_where_the_blockwise_path_does():
+  """The dense path (an engine's decode steps) keeps scores and sums in fp32 as the blockwise path
+  (the trainer's forward) does, so in bf16 a sequence through either mask is the same to the bit."""
+  policy = Policy.build(BF16)
+  params = policy.init(0)
+  tokens = jax.random.randint(jax.random.key(2), (2, 24), 3, 32)
+  valid = jnp.ones((2, 24), bool).at[1, :5].set(False)
+  positions = jnp.maximum(jnp.cumsum(valid, 1) - 1, 0)
+  dense, _ = policy.apply(params, tokens, positions, causal_mask(valid))
+  blockwise, _ = policy.apply(params, tokens, positions, Segments.causal(valid, positions))
+  np.testing.assert_array_equal(np.asarray(dense)[np.asarray(valid)], np.asarray(blockwise)[np.asarray(valid)])
+
+
+def test_bf16_logits_are_accumulated_and_returned_in_fp32():
+  """Not rounded to bf16, whose spacing at a trained model's top logits would land on every logprob."""
+  policy = Policy.build(BF16)
+  params = policy.init(0)
+  hidden = jax.random.normal(jax.random.key(3), (4, 32)).astype(jnp.bfloat16) * 40
+  logits = policy.logits(params, hidden)
+  head = np.asarray(params["lm_head"]).astype(jnp.bfloat16).astype(np.float64)
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, np.asarray(hidden, np.float64) @ head, rtol=1e-5, atol=1e-5)

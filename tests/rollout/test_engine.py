@@ -6,9 +6,10 @@ from jaxrl_hex.errors import UserError
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.tokenizer import CharTokenizer
-from jaxrl_hex.rl.batch import rl_batch
+from jaxrl_hex.rl.batch import rl_batch, scoring_batch
 from jaxrl_hex.rl.layout import token_logprobs
 from jaxrl_hex.rollout.engine import Engine
+from jaxrl_hex.sync.probe import tolerance_for
 
 CFG = model_config(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64,
                    tie_embeddings=True)
@@ -35,6 +36,22 @@ def test_engine_logprobs_equal_trainer_logprobs(setup, pools):
   assert mask.sum() > 20
   diff = np.abs(np.asarray(logp)[mask] - rollout.behaviour_logprobs[mask]).max()
   assert diff <= 1e-4
+
+
+def test_bf16_engine_logprobs_agree_with_the_trainer_within_the_probes_tolerance(pools):
+  """bf16 compute (fp32 weights): the engine's decode and the trainer's forward round at different
+  places, so they agree within the gap the logprob probe allows bf16, not fp32's 1e-4."""
+  cfg = CFG.copy_and_resolve_references()
+  cfg.dtype = "bfloat16"
+  policy = Policy.build(cfg)
+  train_params = policy.init(0, pools["train"].shardings_for(policy.logical_axes(), policy.shapes()))
+  engine = Engine(policy, pools["rollout"], TOK, max_new_tokens=8, temperature=1.0)
+  engine.load_weights(0, jax.device_put(train_params, engine.param_shardings))
+  rollout = engine.generate(PROMPTS, 4, jax.random.key(0))
+  logp, _ = jax.jit(lambda p, b: token_logprobs(policy, p, b))(train_params, scoring_batch(rollout))
+  mask = rollout.completion_mask
+  assert mask.sum() > 20
+  assert np.abs(np.asarray(logp)[mask] - rollout.behaviour_logprobs[mask]).max() <= tolerance_for(0.02, cfg.dtype)
 
 
 def test_outputs_stop_at_eos_and_carry_the_version(setup):
