@@ -11,11 +11,18 @@
           the copy rate, Orbax save + restore (when orbax is installed) against the disk's
           write + fsync + read rate, and direct sync through shared memory (device to host, host
           to device: GB/s alone)
+  rl      one end-to-end GRPO step per real shape (Qwen2.5-0.5B and -1.5B, random weights, bf16
+          compute, fp32 master weights), rollout and train pools on the one device as
+          meshes/single.yaml lays them: weight sync (device_put onto the rollout pool) seconds, the
+          engine's generate of prompts x group completions in tokens/s against the HBM roofline
+          (the bytes a decode step must read, weights at the compute dtype + the KV columns
+          attended, against the copy rate), and the trainer's update: MFU against the catalog's
+          peak and the share of the bf16 matmul rate measured here
   init    (not in all) seconds to compile Policy.init listed at 2, 6 and all layers and stacked
 
 One JSON object on stdout per part and all of them in $OUT/gpu_check.json when OUT is set.
 
-  PYTHONPATH=$PWD python3 benchmarks/gpu_check.py [--part decode|train|sync|init|all] [--smoke]
+  PYTHONPATH=$PWD python3 benchmarks/gpu_check.py [--part decode|train|sync|rl|init|all] [--smoke]
 
 --smoke runs a tiny model on any device (CPU here) to check the script itself.
 """
@@ -42,6 +49,15 @@ MODEL = dict(vocab_size=32000, d_model=2048, n_layers=18, n_heads=16, n_kv_heads
 # fp32: XLA:CPU compiles bf16 programs slowly (minutes)
 SMOKE = dict(MODEL, n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, mlp_dim=512, vocab_size=1024,
              dtype="float32", param_dtype="float32")
+# The RL step's shapes (the models' config.json; Qwen2.5-1.5B's are configs/models/qwen2_1_5b.py's):
+# bf16 compute on fp32 master weights, as a run's auto dtype picks on an accelerator.
+QWEN2_5 = dict(vocab_size=151936, tie_embeddings=True, qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6,
+               dtype="bfloat16", param_dtype="float32", scan_layers=True, remat="full")
+RL_MODELS = {
+    "qwen2.5-0.5b": dict(QWEN2_5, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64, mlp_dim=4864),
+    "qwen2.5-1.5b": dict(QWEN2_5, d_model=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128, mlp_dim=8960),
+}
+SINGLE = os.path.join(os.path.dirname(HERE), "meshes", "single.yaml")  # both pools on device 0
 
 
 def copy_rate(nbytes, repeats=20) -> float:
@@ -120,7 +136,6 @@ def part_decode(model, args) -> dict:
   from rollout import matmul_limit  # benchmarks/rollout.py
 
   from jaxrl_hex.models.config import param_count
-  from jaxrl_hex.models.policy import param_bytes
   from jaxrl_hex.rollout.engine import Engine, Request
   cfg, pool, policy, params = build(model)
   engine = Engine(policy, pool, Tok(model["vocab_size"]), args.new, temperature=1.0, slots=args.slots,
@@ -149,9 +164,7 @@ def part_decode(model, args) -> dict:
   bandwidth = 2 * copy_rate(args.copy_bytes)  # read + written bytes per second
   kv_bytes = engine.memory["kv_cache_bytes"]
   span = float(np.mean([span for _, span in chunks]))
-  # a step reads every weight but the embedding table, of which it reads its rows' entries
-  embed = params["embed"]
-  weight_bytes = param_bytes(params) - embed.nbytes + args.slots * embed.shape[1] * embed.dtype.itemsize
+  weight_bytes = decode_weight_bytes(params, args.slots, cfg.dtype)
   bytes_per_step = int(weight_bytes + kv_bytes * span / engine.length)
   # what the step's matmuls alone take (weights + attention over the same columns, benchmarks/rollout.py)
   chain = matmul_limit(policy, pool, params, args.slots, args.chunk, attend=int(round(span)))
@@ -247,19 +260,24 @@ def step_flops(cfg, rows, length) -> float:
   return 3 * rows * length * (2 * matmul_params + attention)
 
 
-def part_train(model, args) -> dict:
+def grpo_trainer(policy, pool, params):
+  """The real Trainer with GRPO's decoupled PPO loss (token mean) and AdamW at a small lr."""
   import ml_collections
 
   from jaxrl_hex.config import base_config
-  from jaxrl_hex.rl.batch import TrainBatch
   from jaxrl_hex.rl.objectives import make_rl_loss
   from jaxrl_hex.rl.trainer import Trainer, make_optimizer
-  cfg, pool, policy, params = build(dict(model, remat=args.remat))
   optim = ml_collections.ConfigDict(
       dict(lr=1e-6, warmup_steps=0, end_lr_ratio=1.0, b1=0.9, b2=0.999, weight_decay=0.0, grad_clip=1.0))
   algo = base_config().algo
   algo.update(dict(loss_agg="token-mean", clip_eps_high=0.2, share_prompts=False))
-  trainer = Trainer(policy, pool, make_optimizer(optim, 100), make_rl_loss(algo, 1.0), params)
+  return Trainer(policy, pool, make_optimizer(optim, 100), make_rl_loss(algo, 1.0), params)
+
+
+def part_train(model, args) -> dict:
+  from jaxrl_hex.rl.batch import TrainBatch
+  cfg, pool, policy, params = build(dict(model, remat=args.remat))
+  trainer = grpo_trainer(policy, pool, params)
   rng = np.random.default_rng(0)
   n, width, completion = args.rows, args.length, args.length // 2
   batch = TrainBatch(tokens=rng.integers(3, cfg.vocab_size, (n, width)).astype(np.int32), valid=np.ones(
@@ -330,6 +348,94 @@ def part_sync(model, args) -> dict:
   return out
 
 
+def decode_weight_bytes(params, slots: int, compute_dtype) -> int:
+  """Weight bytes one decode step must read: every weight at the compute dtype (XLA may cast a
+  loop-invariant weight once, outside the steps) but the embedding table, of which only the slots'
+  rows."""
+  embed = params["embed"]
+  count = sum(x.size for x in jax.tree.leaves(params)) - embed.size + slots * embed.shape[1]
+  return count * jnp.dtype(compute_dtype).itemsize
+
+
+def part_rl(model, args) -> dict:
+  """One GRPO step per RL_MODELS shape (SMOKE's with --smoke): sync, rollout, train, in that order,
+  --rl-steps times; the first compiles, the figures are the later steps' medians."""
+  out = {}
+  for name, shape in ({"smoke": model} if args.smoke else RL_MODELS).items():
+    try:
+      out[name] = rl_step(shape, args)
+    except Exception as e:  # noqa: BLE001  (the 1.5B shape failing must not lose the 0.5B's figures)
+      traceback.print_exc()
+      out[name] = dict(error=f"{type(e).__name__}: {e}")
+    print(json.dumps({"rl": {name: out[name]}}), flush=True)
+  return out
+
+
+def rl_step(model, args) -> dict:
+  from jaxrl_hex import meshes
+  from jaxrl_hex.models.config import model_config, param_count
+  from jaxrl_hex.models.policy import Policy, param_bytes
+  from jaxrl_hex.rl.batch import rl_batch
+  from jaxrl_hex.rollout.engine import Engine
+  from jaxrl_hex.sync import make_sync
+  pools = meshes.build_pools(meshes.load_mesh_file(SINGLE))
+  cfg = model_config(**model)
+  policy = Policy.build(cfg)
+  axes, shapes = policy.logical_axes(), policy.shapes()
+  trainer = grpo_trainer(policy, pools["train"], random_params(shapes, pools["train"].shardings_for(axes, shapes)))
+  rows = args.rl_prompts * args.rl_group
+  engine = Engine(policy, pools["rollout"], Tok(cfg.vocab_size), args.rl_new, temperature=1.0, slots=rows,
+                  max_prompt_len=args.rl_prompt, steps_per_sync=args.chunk)
+  sync = make_sync("device_put", shapes, engine.param_shardings)
+  rng = np.random.default_rng(0)
+  prompts = [[1] + rng.integers(3, cfg.vocab_size, args.rl_prompt - 1).tolist() for _ in range(args.rl_prompts)]
+  steps = []
+  for version in range(args.rl_steps):
+    t0 = time.perf_counter()
+    _, weights = sync.receive(sync.publish(version, trainer.params))
+    engine.load_weights(version, jax.block_until_ready(weights))
+    sync.settle()  # the copy out of the params is done before the trainer's step donates them
+    t1 = time.perf_counter()
+    rollout = engine.generate(prompts, args.rl_group, jax.random.key(version))
+    rollout.rewards = rng.normal(size=rows).astype(np.float32)
+    t2 = time.perf_counter()
+    trainer.step(rl_batch(rollout))
+    steps.append((t1 - t0, t2 - t1, time.perf_counter() - t2, int(rollout.completion_mask.sum())))
+  sync_s, rollout_s, train_s, new_tokens = (float(np.median(x)) for x in zip(*steps[1:]))
+  bandwidth = 2 * copy_rate(args.copy_bytes)  # read + written bytes per second
+  # a sequence's decode steps attend from its prompt to its last token: the prompt + half the new ones on average
+  columns = args.rl_prompt + args.rl_new / 2
+  kv_bytes = engine.memory["kv_cache_bytes"] * columns / engine.length
+  step_bytes = int(decode_weight_bytes(trainer.params, rows, cfg.dtype) + kv_bytes)
+  rollout_rate, roofline = new_tokens / rollout_s, rows * bandwidth / step_bytes
+  length = args.rl_prompt + args.rl_new
+  flops = step_flops(cfg, rows, length)
+  achieved, peak, measured = flops / train_s, peak_flops(jax.devices()[0]), matmul_flops(args.matmul_n)
+  return {
+      "params": param_count(cfg),
+      "param_bytes": param_bytes(trainer.params),
+      "rows": rows,
+      "prompt": args.rl_prompt,
+      "new_tokens": args.rl_new,
+      "first_step_s": round(sum(steps[0][:3]), 2),
+      "sync_s": round(sync_s, 4),
+      "rollout_s": round(rollout_s, 3),
+      "train_s": round(train_s, 3),
+      "rollout_tokens_per_s": round(rollout_rate, 1),
+      "decode_step_bytes": step_bytes,
+      "copy_gb_per_s": round(bandwidth / 1e9, 1),
+      "roofline_tokens_per_s": round(roofline, 1),
+      "rollout_roofline_share": round(rollout_rate / roofline, 3),
+      "train_tokens_per_s": round(rows * length / train_s, 1),
+      "model_tflop_per_step": round(flops / 1e12, 3),
+      "achieved_tflops": round(achieved / 1e12, 2),
+      "peak_tflops": None if peak is None else round(peak / 1e12, 1),
+      "mfu": None if peak is None else round(achieved / peak, 3),
+      "matmul_tflops_measured": round(measured / 1e12, 2),
+      "share_of_matmul": round(achieved / measured, 3),
+  }
+
+
 def part_init(model, args) -> dict:
   """Seconds to compile Policy.init (not run: --part all draws params on the host) at three depths of
   listed layers and at full depth stacked (scan_layers), where one draw covers every layer (listed at
@@ -345,8 +451,8 @@ def part_init(model, args) -> dict:
   return out
 
 
-PARTS = {"decode": part_decode, "train": part_train, "sync": part_sync, "init": part_init}
-ALL = ("decode", "train", "sync")
+PARTS = {"decode": part_decode, "train": part_train, "sync": part_sync, "rl": part_rl, "init": part_init}
+ALL = ("decode", "train", "sync", "rl")
 
 
 def main(argv=None):
@@ -362,6 +468,11 @@ def main(argv=None):
   ap.add_argument("--remat", default="none", choices=("none", "full", "dots"))
   ap.add_argument("--train-steps", type=int, default=5)
   ap.add_argument("--matmul-n", type=int, default=8192)
+  ap.add_argument("--rl-prompts", type=int, default=8, help="rl: prompts per step")
+  ap.add_argument("--rl-group", type=int, default=8, help="rl: completions per prompt")
+  ap.add_argument("--rl-prompt", type=int, default=128, help="rl: prompt tokens")
+  ap.add_argument("--rl-new", type=int, default=256, help="rl: new tokens per completion (every one runs its budget)")
+  ap.add_argument("--rl-steps", type=int, default=3, help="rl: steps per shape; the first compiles")
   ap.add_argument("--no-profile", dest="profile", action="store_false",
                   help="skip the profiled run of decode and train (profile(): where the device's time went)")
   ap.add_argument("--copy-bytes", type=int, default=2 << 30)
@@ -371,6 +482,7 @@ def main(argv=None):
   if args.smoke:
     args.new, args.chunk, args.slots, args.prompt = 32, 16, 8, 16
     args.rows, args.length, args.train_steps, args.matmul_n, args.copy_bytes = 2, 64, 2, 256, 64 << 20
+    args.rl_prompts, args.rl_group, args.rl_prompt, args.rl_new, args.rl_steps = 2, 2, 16, 16, 2
   elif devices[0].platform != "gpu" and args.part != "init":  # init's compile times mean something anywhere
     sys.exit("gpu_check: no GPU visible to JAX (jax.devices() above); install jax with its CUDA plugin "
              "(the H200 image has jax + jax-cuda13-plugin) and rerun, or pass --smoke")
@@ -387,7 +499,12 @@ def main(argv=None):
   if os.environ.get("OUT"):
     with open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w") as f:
       json.dump(results, f, indent=2)
-  return 0 if all("error" not in v for v in results.values() if isinstance(v, dict)) else 1
+  return 1 if failed(results) else 0
+
+
+def failed(results) -> bool:
+  """Whether any part, or any shape of a part, reports an error."""
+  return isinstance(results, dict) and ("error" in results or any(map(failed, results.values())))
 
 
 if __name__ == "__main__":

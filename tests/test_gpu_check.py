@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py, the script an accelerator lease runs once: its --smoke run on this
-machine's CPU produces every part's figures, and its byte and FLOP counts are the model's."""
+machine's CPU produces every part's figures (the RL step's on the smoke shape, both pools on one
+device as meshes/single.yaml lays them), and its byte and FLOP counts are the model's."""
 import json
 import os
 import subprocess
@@ -33,6 +34,19 @@ def test_smoke_run_reports_every_part_with_the_models_counts(tmp_path):
     assert sum(share for _, _, _, share in where["top"]) <= 1.001
   for figure in (decode["decode_tokens_per_s"], train["train_tokens_per_s"], sync["device_put"]["gb_per_s"],
                  sync["orbax"]["gb_per_s"], sync["direct shared memory"]["gb_per_s"]):
+    assert figure > 0
+  rl = got["rl"]["smoke"]
+  assert "error" not in rl
+  # --smoke: 2 prompts x 2 completions of 16 new tokens after 16-token prompts, fp32 weights
+  assert (rl["params"], rl["param_bytes"], rl["rows"]) == (params, 4 * params, 4)
+  # a decode step reads the weights (the embedding's 4 rows) and the KV of the prompt + half the new tokens:
+  # 2 layers x (K + V) x 4 slots x 2 KV heads x 64 x fp32 a column
+  assert rl["decode_step_bytes"] == 4 * (params - 1024 * 256 + 4 * 256) + 2 * 2 * 4 * 2 * 64 * 4 * 24
+  # the roofline: 4 slots' tokens per step at the copy rate (rounded to 0.1 GB/s in the report)
+  rate = lambda gb: 4 * gb * 1e9 / rl["decode_step_bytes"]
+  assert rate(rl["copy_gb_per_s"] - 0.05) <= rl["roofline_tokens_per_s"] <= rate(rl["copy_gb_per_s"] + 0.05)
+  for figure in (rl["sync_s"], rl["rollout_tokens_per_s"], rl["rollout_roofline_share"], rl["train_tokens_per_s"],
+                 rl["share_of_matmul"]):
     assert figure > 0
 
 
