@@ -94,8 +94,14 @@ def hf_tokenizer(config) -> HFTokenizer:
 def prompt_formatter(tokenizer, args, plain: str):
   """-> format(text, system=None) -> prompt: a user turn of the model's chat template (when the
   tokenizer has one and task_args.chat_template is on; system defaults to task_args.system_prompt),
-  else plain.format(prompt=text, system=system or "")."""
-  chat = args.get("chat_template", True) and getattr(tokenizer, "chat_template", None) is not None
+  else plain.format(prompt=text, system=system or ""). A model's tokenizer without a template is
+  refused while task_args.chat_template is on, so a chat model is never prompted as plain text unasked."""
+  chat = bool(args.get("chat_template", True))
+  if chat and isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is None:
+    raise TaskError(f"task_args.chat_template: {tokenizer.dir} has no chat template; set "
+                    "--config.task_args.chat_template=False (prompts then follow task_args.prompt_format) or give the "
+                    "model one (chat_template in its tokenizer_config.json, or a chat_template.jinja beside it)")
+  chat = chat and getattr(tokenizer, "chat_template", None) is not None
   default_system = args.get("system_prompt") or None
 
   def format_prompt(text: str, system: str | None = None) -> str:
