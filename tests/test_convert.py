@@ -1,6 +1,6 @@
 """jaxrl-hex convert --to-hf: a directory transformers loads whole (weights, tokenizer, chat template,
-generation_config.json) whose greedy continuations are the run's engine's; and --from-hf's next step
-runs as printed. LoRA runs (--to-hf merged, --to-peft, --from-peft): tests/test_lora_run.py."""
+generation_config.json) whose greedy continuations are the run's engine's; --from-hf's and
+--from-gguf's next steps run as printed. LoRA runs (--to-hf merged, --to-peft, --from-peft): tests/test_lora_run.py."""
 import json
 import os
 import shlex
@@ -8,11 +8,14 @@ import shutil
 
 import numpy as np
 import pytest
+from gguf_support import write_gguf
 from hf_support import save_tiny, save_tokenizer
 from support import ROOT, load_config
 
 from jaxrl_hex import cli
+from jaxrl_hex.models import model_dir as model_dirs
 from jaxrl_hex.models.hf import hf_model_config
+from jaxrl_hex.models.safetensors_files import SafetensorsDir
 from jaxrl_hex.models.tokenizer import HFTokenizer
 from jaxrl_hex.tasks import load_task
 
@@ -146,6 +149,83 @@ def test_from_hf_prints_a_next_step_that_runs_as_printed(hf_dir, tmp_path, capsy
       "--config.train.steps=1", "--config.train.eval_size=8", "--config.rollout.prompts_per_step=8",
       "--config.rollout.group_size=2"
   ]  # the printed line, made quick
+  assert cli.main(command[1:] + [f"--workdir={tmp_path / 'run'}", *small]) == 0
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  assert any(r.get("phase") == "train" and np.isfinite(r.get("loss", np.nan)) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+  """A tiny Llama GGUF (tests/gguf_support.py) -> (its path, the Hugging Face weights it stores)."""
+  path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+  return path, write_gguf(path)
+
+
+def test_from_gguf_writes_a_model_directory_and_prints_how_to_train_on_it(gguf_file, tmp_path, capsys):
+  path, stored = gguf_file
+  out = str(tmp_path / "hf")
+  assert cli.main(["convert", f"--from-gguf={path}", f"--out={out}", "--dtype=bfloat16"]) == 0
+  printed = capsys.readouterr().out.strip().splitlines()[-1]
+  assert printed.startswith(f"wrote {out}: a Hugging Face model directory (llama, 2 layers, bfloat16)")
+  command = shlex.split(printed.partition("train on it (or on the .gguf itself): ")[2])
+  assert command[:3] == ["jaxrl-hex", "train", "--config=configs/gsm8k_files.py"]
+  assert f"--config.model_dir={out}" in command
+  assert hf_model_config(out).param_dtype == "bfloat16"
+  weights = SafetensorsDir(out)
+  assert weights.entries["lm_head.weight"].dtype == np.dtype("bfloat16")
+  np.testing.assert_array_equal(weights.read("model.layers.1.self_attn.q_proj.weight", (slice(None),) * 2),
+                                stored["model.layers.1.self_attn.q_proj.weight"].astype("bfloat16"))
+  assert HFTokenizer(out).chat_template is not None
+  assert cli.main(["convert", f"--from-gguf={path}", f"--out={out}"]) == 2  # not into a non-empty directory
+  assert "is not empty; pick an empty directory, or pass --force" in capsys.readouterr().err
+  assert cli.main(["convert", f"--from-gguf={path}", f"--out={out}", "--force"]) == 0
+  assert hf_model_config(out).param_dtype == "float32"
+
+
+def test_from_hf_takes_a_gguf_and_records_the_file(gguf_file, tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv(model_dirs.CACHE_ENV, str(tmp_path / "cache"))
+  path, _ = gguf_file
+  run = str(tmp_path / "run")
+  assert cli.main(["convert", f"--from-hf={path}", f"--out={run}"]) == 0
+  assert f"--config.model_dir={path} --config.init_from={run}" in capsys.readouterr().out
+  saved = json.load(open(os.path.join(run, "config.json")))
+  assert saved["model_dir"] == path and saved["model"]["n_layers"] == 2
+  assert os.listdir(os.path.join(run, "checkpoints")) == ["0"]
+
+
+def test_gguf_refusals_are_one_line_naming_the_fix(gguf_file, tmp_path, capsys):
+  path, out = gguf_file[0], f"--out={tmp_path / 'out'}"
+  (tmp_path / "notes.txt").write_text("not a model")
+  gemma = str(tmp_path / "gemma.gguf")
+  write_gguf(gemma, architecture="gemma3")
+  cases = [
+      ([f"--from-gguf={path}", out, "--step=1"], "--from-gguf reads one file, drop --step"),
+      ([f"--from-gguf={path}", out, "--mesh-file=meshes/cpu-8.yaml"], "places no weights on devices; drop --mesh-file"),
+      ([f"--from-gguf={tmp_path / 'absent.gguf'}", out], "absent.gguf: no such file; give the .gguf file's path"),
+      ([f"--from-gguf={tmp_path / 'notes.txt'}", out], "notes.txt: not a GGUF file (it starts with b'not '"),
+      ([f"--from-gguf={gemma}", out], "general.architecture='gemma3' is not one we load; supported: llama, qwen2"),
+      ([f"--from-hf={tmp_path / 'notes.txt'}", out], "--from-hf="),
+  ]
+  for argv, message in cases:
+    assert cli.main(["convert", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores: a train step's and the engine's compiles
+def test_from_gguf_prints_a_next_step_that_runs_as_printed(gguf_file, tmp_path, capsys):
+  out = str(tmp_path / "hf")
+  assert cli.main(["convert", f"--from-gguf={gguf_file[0]}", f"--out={out}"]) == 0
+  printed = capsys.readouterr().out.strip().splitlines()[-1]
+  command = shlex.split(printed.partition("train on it (or on the .gguf itself): ")[2])
+  command = [
+      f"--config.task_args.train_file={SAMPLE}" if a.startswith("--config.task_args.train_file=") else a
+      for a in command
+  ]
+  small = [
+      "--config.train.steps=1", "--config.train.eval_size=8", "--config.rollout.prompts_per_step=8",
+      "--config.rollout.group_size=2", "--config.task_args.eval_size=8"
+  ]  # the printed line with the sample's data, made quick
   assert cli.main(command[1:] + [f"--workdir={tmp_path / 'run'}", *small]) == 0
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert any(r.get("phase") == "train" and np.isfinite(r.get("loss", np.nan)) for r in rows)
