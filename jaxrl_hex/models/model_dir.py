@@ -93,6 +93,7 @@ def _converted(path: str, field: str) -> str:
   os.makedirs(os.path.dirname(out), exist_ok=True)
   print(f"jaxrl-hex: converting {path} into {out} (once)", file=sys.stderr)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=os.path.dirname(out))
+  os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache ($JAXRL_HEX_CACHE) from other users
   try:
     write_hf_dir(path, tmp)
     try:
