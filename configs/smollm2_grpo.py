@@ -27,6 +27,8 @@ def get_config():
   cfg.rollout.group_size = 8
   cfg.rollout.max_new_tokens = 48
   cfg.rollout.temperature = 0.7
+  # the update in micro-batches of about 1k tokens, so its activations fit a laptop's memory
+  cfg.algo.micro_batch_tokens = 1024
   cfg.optim.lr = 1e-5
   cfg.optim.warmup_steps = 10
   cfg.optim.end_lr_ratio = 1.0
@@ -36,6 +38,6 @@ def get_config():
   cfg.train.max_staleness = 0
   cfg.train.eval_every = 10
   cfg.train.eval_size = 96
-  cfg.train.checkpoint_every = 30
+  cfg.train.checkpoint_every = 10  # a stopped run goes on with --resume from at most 10 steps back
   cfg.train.log_every = 1
   return cfg
