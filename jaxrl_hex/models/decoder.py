@@ -339,8 +339,8 @@ class Decoder(nnx.Module):
     """Final hidden states x [..., d_model] -> fp32 logits [..., vocab] through the output head
     (the tied embeddings or lm_head) and the final soft-cap. columns: a slice of the vocabulary
     to compute only those logits (the critic reads one column of its head). Accumulated and
-    returned in fp32: rounded to bf16, logits are 1/16 to 1/8 apart at the magnitudes a trained
-    model's top logits reach, and every logprob carries that rounding."""
+    returned in fp32: rounded to bf16, logits are 1/8 to 1/4 apart where a trained model's top
+    logits lie (16 to 64), and every logprob of a token less than certain carries that rounding."""
     cfg = self.cfg
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
     if columns is not None:
