@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_hex.models.attention import Segments
-from jaxrl_hex.models.decoder import extend_cache, init_cache, rope_tables
+from jaxrl_hex.models.decoder import PrefixKV, head_logits, rope_tables
 
 ROW_AXES = (None, None, "batch", "length")  # [M, K, R, L]: rows split over the batch axes
 PROMPT_AXES = (None, None, None, "length")  # [M, K, G, P]: every shard holds all of its micro-batches' prompts
@@ -38,6 +38,9 @@ class Rows:
   prompt_positions: jax.Array | None = _sharded(PROMPT_AXES, optional=True)  # [M, K, G, P] int32
   prompt_valid: jax.Array | None = _sharded(PROMPT_AXES, optional=True)  # [M, K, G, P] bool
   row_group: jax.Array | None = _sharded(ROW_AXES[:3], optional=True)  # [M, K, R] int32, the prompt a row continues
+  # Static: no token before this column is a loss token (rows laid out as the engine lays out a
+  # batch, prompt then completion), so the output head runs from it on.
+  head_from: int = dataclasses.field(default=0, metadata={"static": True})
 
 
 @jax.tree_util.register_dataclass
@@ -59,32 +62,73 @@ class TokenData:
 
 
 def _logprobs(logits, targets, temperature):
-  """logits [.., T, V], targets [.., T] -> (logp [.., T], entropy [.., T]) at `temperature`.
-  entropy = lse - sum(p * z): no second [.., T, V] array of log-probabilities."""
-  z = logits / temperature
-  lse = jax.nn.logsumexp(z, axis=-1)
-  target = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
-  return target - lse, lse - (jnp.exp(z - lse[..., None]) * z).sum(-1)
+  """fp32 logits [.., V], targets [..] -> (logp, entropy, lse) [..] of softmax(z), z = logits /
+  temperature, as the engine takes its logprob (rollout.sampling.picked_logprobs: shifted by the
+  max, less the log of the shifted exps' sum). Every [.., V] term is read from the logits as they
+  lie, so no scaled or shifted copy of them is written: entropy = log(sum) - sum(e * shifted) / sum,
+  e = exp(shifted)."""
+  scale = 1.0 / temperature
+  top = logits.max(-1, keepdims=True)
+  shifted = (logits - top) * scale
+  e = jnp.exp(shifted)
+  total = e.sum(-1)
+  norm = jnp.log(total)
+  logp = jnp.take_along_axis(shifted, targets[..., None], axis=-1)[..., 0] - norm
+  return logp, norm - (e * shifted).sum(-1) / total, top[..., 0] * scale + norm
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def head_logprobs(hidden, head, targets, temperature, cap):
+  """Hidden states [.., d_model] through the output head [d_model, V] (decoder.head_logits,
+  soft-capped at cap), targets [..] -> (logp, entropy) [..] at `temperature`.
+
+  The backward pass recomputes the logits (nothing [.., V] is kept) and forms their gradient in
+  one elementwise pass, with z = logits / temperature and p = softmax(z): d logp / dz = onehot - p,
+  d entropy / dz = -p (z - lse + entropy). Left to autodiff, XLA:CPU scattered the target's
+  gradient into a [.., V] array and transposed the whole logits gradient for the head's."""
+  return _logprobs(head_logits(hidden, head, cap), targets, temperature)[:2]
+
+
+def _head_forward(hidden, head, targets, temperature, cap):
+  logp, entropy, lse = _logprobs(head_logits(hidden, head, cap), targets, temperature)
+  return (logp, entropy), (hidden, head, targets, lse, entropy)
+
+
+def _head_backward(temperature, cap, residuals, cotangents):
+  hidden, head, targets, lse, entropy = residuals
+  d_logp, d_entropy = (c[..., None] for c in cotangents)
+  logits = head_logits(hidden, head, cap)
+  centred = logits * (1.0 / temperature) - lse[..., None]  # log p
+  p = jnp.exp(centred)
+  target = jnp.arange(logits.shape[-1]) == targets[..., None]
+  dz = jnp.where(target, d_logp, 0.0) - p * (d_logp + d_entropy * (centred + entropy[..., None]))
+  d_raw = dz * (1.0 / temperature)
+  if cap:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+    d_raw = d_raw * (1.0 - jnp.square(logits / cap))
+  # fp32 against the head's dtype, accumulated in fp32, as autodiff transposes head_logits' matmul
+  d_flat, h_flat = d_raw.reshape(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
+  dot = lambda a, b, contract: jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+  d_hidden = dot(d_flat, head, ((1,), (1,))).reshape(hidden.shape)
+  d_head = dot(h_flat, d_flat, ((0,), (0,)))  # contracting d_raw's rows as it lies: no transpose of it
+  return d_hidden.astype(hidden.dtype), d_head.astype(head.dtype), None
+
+
+head_logprobs.defvjp(_head_forward, _head_backward)
 
 
 def chunked_logprobs(policy, params, hidden, targets, temperature=1.0, chunk=None):
   """Final hidden states [R, T, d_model] (policy.apply_hidden), targets [R, T] -> (logp [R, T],
   entropy [R, T]), the output head run over chunks of at most `chunk` positions (None: the
-  model's logprob_chunk): peak memory O(R * chunk * V), not O(R * T * V). Each chunk is
-  rematerialised in the backward pass, so the gradient keeps no chunk's logits either."""
+  model's logprob_chunk): peak memory O(R * chunk * V), not O(R * T * V). Each chunk's logits
+  are recomputed in the backward pass (head_logprobs), so the gradient keeps no chunk's either."""
   r, t = targets.shape
   n = -(-t // (chunk or policy.cfg.logprob_chunk))
   size = -(-t // n)  # equal chunks: at most n - 1 padded positions
   pad = n * size - t
   to_chunks = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(r, n, size, *x.shape[2:])
   xs = (to_chunks(hidden).swapaxes(0, 1), to_chunks(targets).swapaxes(0, 1))  # [n, R, size, d_model], [n, R, size]
-
-  @functools.partial(jax.checkpoint, prevent_cse=False)  # in a scan, CSE cannot undo the remat
-  def one(chunk_xs):
-    h, y = chunk_xs
-    return _logprobs(policy.logits(params, h), y, temperature)
-
-  logp, entropy = jax.lax.map(one, xs)  # each [n, R, size]
+  head, cap = policy.module(params).head(), policy.cfg.final_logit_softcap
+  logp, entropy = jax.lax.map(lambda chunk_xs: head_logprobs(chunk_xs[0], head, chunk_xs[1], temperature, cap), xs)
   from_chunks = lambda x: x.swapaxes(0, 1).reshape(r, n * size)[:, :t]
   return from_chunks(logp), from_chunks(entropy)
 
@@ -115,21 +159,17 @@ def shared_prompt_hidden(policy, params, rows: Rows):
   -> final hidden states [R, C, d_model] aligned to the completion tokens (token 0 from the
   prompt's last position)."""
   tokens, valid, group = rows.tokens, rows.segments > 0, rows.row_group
-  p_valid = rows.prompt_valid
-  g, p_len = p_valid.shape
-  r, c_len = tokens.shape
-  p_positions = rows.prompt_positions
-  tables = _rope(policy, p_len + c_len)  # a completion's positions follow its prompt's
+  p_valid, p_positions = rows.prompt_valid, rows.prompt_positions
+  tables = _rope(policy, p_valid.shape[1] + tokens.shape[1])  # a completion's positions follow its prompt's
   prompt_hidden, cache = policy.apply_hidden(params, rows.prompt_tokens, p_positions,
-                                             Segments.causal(p_valid, p_positions), init_cache(policy.cfg, g, p_len), 0,
+                                             Segments.causal(p_valid, p_positions), None, PrefixKV(),
                                              rope_tables=tables)
-  cache = extend_cache(cache, group, c_len - 1)
   positions = rows.positions[:, :-1]
   # The prompt's positions precede the completion's, so causal order is position order.
   mask = Segments(valid[:, :-1].astype(jnp.int32), positions,
                   jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1).astype(jnp.int32),
                   jnp.concatenate([p_positions[group], positions], axis=1))  # keys [R, P + C - 1]
-  hidden, _ = policy.apply_hidden(params, tokens[:, :-1], positions, mask, cache, p_len, rope_tables=tables)
+  hidden, _ = policy.apply_hidden(params, tokens[:, :-1], positions, mask, cache, PrefixKV(group), rope_tables=tables)
   return jnp.concatenate([prompt_hidden[group, -1:], hidden], axis=1)
 
 
@@ -147,8 +187,12 @@ def _layout_hidden(policy, params, rows: Rows):
 
 
 def layout_logprobs(policy, params, rows: Rows, temperature=1.0, chunk=None):
-  """-> (logp [R, L], entropy [R, L]) of every token given its prefix in its own sequence."""
-  return chunked_logprobs(policy, params, _layout_hidden(policy, params, rows), rows.tokens, temperature, chunk)
+  """-> (logp [R, L], entropy [R, L]) of every token from column rows.head_from on given its
+  prefix in its own sequence; zero before it."""
+  start = rows.head_from
+  hidden = _layout_hidden(policy, params, rows)[:, start:]
+  out = chunked_logprobs(policy, params, hidden, rows.tokens[:, start:], temperature, chunk)
+  return tuple(jnp.pad(x, ((0, 0), (start, 0))) for x in out)
 
 
 def layout_values(critic, critic_params, rows: Rows):

@@ -1,12 +1,13 @@
 """Train layout: sequences laid into rows of micro-batches, padded or packed (host side, numpy).
 
 A batch arrives as rows of [left-padded prompt ++ completion]. The trainer runs the model on
-rows of length L instead: `pack=False` puts one sequence per row; `pack=True` packs sequences
-into rows first-fit decreasing under the row length, each sequence keeping positions 0..len-1
-and its own segment id, so the block-diagonal causal mask (segment_mask) never lets attention
-cross sequences. Rows are grouped into micro-batches of R rows (R divides over the data-parallel
-shards) for gradient accumulation, and the rows of every micro-batch are dealt so each shard
-gets about the same number of real tokens.
+rows of length L instead: `pack=False` puts one sequence per row as it arrives, so every loss
+token lies in the last C columns and the output head runs on those alone (`head_from`);
+`pack=True` packs sequences into rows first-fit decreasing under the row length, each sequence
+keeping positions 0..len-1 and its own segment id, so the block-diagonal causal mask
+(segment_mask) never lets attention cross sequences. Rows are grouped into micro-batches of R
+rows (R divides over the data-parallel shards) for gradient accumulation, and the rows of every
+micro-batch are dealt so each shard gets about the same number of real tokens.
 
 Arrays are [M, K, R, L]: M minibatches (one optimizer update each), K micro-batches, R rows.
 `slot` [N, C] maps completion token t of sequence i to its flat index in that layout, so per-token
@@ -39,6 +40,7 @@ class Layout:
   prompt_positions: np.ndarray | None = None  # [M, K, G, P]
   prompt_valid: np.ndarray | None = None  # [M, K, G, P] bool
   row_group: np.ndarray | None = None  # [M, K, R] which of the G prompts a row continues
+  head_from: int = 0  # no loss token lies before this column
 
   @property
   def size(self) -> int:
@@ -130,6 +132,15 @@ def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_token
     for b, (kk, d) in zip(bins, deal_rows(loads, k, shards, rows_per_shard)):
       row = d * rows_per_shard + used.get((kk, d), 0)
       used[kk, d] = used.get((kk, d), 0) + 1
+      if not pack:  # the row as the engine lays it out: every completion in the last c_len columns
+        i = b[0]
+        out["tokens"][m, kk, row] = tokens[i]
+        out["positions"][m, kk, row] = np.maximum(positions_in_seq[i], 0)
+        out["segments"][m, kk, row] = valid[i]
+        out["seq"][m, kk, row] = np.where(valid[i], i, n)
+        slot[i] = np.where(loss_mask[i],
+                           np.ravel_multi_index((m, kk, row, width - c_len), shape) + np.arange(c_len), slot[i])
+        continue
       start = 0
       for seg, i in enumerate(b, 1):
         length = lengths[i]
@@ -143,7 +154,7 @@ def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_token
         slot[i] = np.where(loss_mask[i], base + completion_pos, slot[i])
         start += length
   return Layout(**out, slot=slot.astype(np.int32), minibatch_of=minibatch_of, real_tokens=int(lengths.sum()),
-                shards=shards)
+                shards=shards, head_from=0 if pack else width - c_len)
 
 
 def _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro_batch_tokens) -> Layout:

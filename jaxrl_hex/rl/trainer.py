@@ -240,8 +240,8 @@ def step_inputs(pool, layout: packing.Layout, batch: TrainBatch, place=jax.devic
   pool, each array given to place(array, sharding): device_put, or a ShapeDtypeStruct maker for
   a program compiled without data (jaxrl_hex.footprint)."""
   put = lambda x, axes: place(x, pool.sharding(axes))
-  fields = [f for f in dataclasses.fields(Rows) if getattr(layout, f.name) is not None]
-  rows = Rows(**{f.name: put(getattr(layout, f.name), f.metadata["axes"]) for f in fields})
+  fields = [f for f in dataclasses.fields(Rows) if "axes" in f.metadata and getattr(layout, f.name) is not None]
+  rows = Rows(**{f.name: put(getattr(layout, f.name), f.metadata["axes"]) for f in fields}, head_from=layout.head_from)
   per_seq = jax.tree.map(lambda x: put(x, ("batch",) if x.ndim == 1 else ("batch", "length")),
                          dataclasses.replace(batch, tokens=None, valid=None))
   return rows, per_seq, put(layout.slot, ("batch", "length")), put(layout.minibatch_of, ("batch",))
@@ -301,14 +301,22 @@ def _update(objective, models, tx, critic_tx, params, opt_state, critic_params, 
   # a non-finite loss or gradient (a NaN reward got past its check, an overflow) skips the update:
   # params and optimizer state stay as they were, and the step counts it (nonfinite_updates)
   finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-  updates, new_opt_state = tx.update(grads, opt_state, params)
-  params, opt_state = keep((optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
+  params, opt_state = _apply_if(finite, tx, grads, params, opt_state)
   if critic_tx is not None:
-    critic_updates, new_critic_opt_state = critic_tx.update(critic_grads, critic_opt_state, critic_params)
-    critic_params, critic_opt_state = keep((optax.apply_updates(critic_params, critic_updates), new_critic_opt_state),
-                                           (critic_params, critic_opt_state))
+    critic_params, critic_opt_state = _apply_if(finite, critic_tx, critic_grads, critic_params, critic_opt_state)
   minibatches = rows.tokens.shape[0]
   metrics = dict(metrics, loss=loss / minibatches, grad_norm=optax.tree.norm(grads) / minibatches,
                  nonfinite_updates=1.0 - finite.astype(jnp.float32))
   return params, opt_state, critic_params, critic_opt_state, metrics
+
+
+def _apply_if(finite, tx, grads, params, opt_state):
+  """(params, opt_state) after tx's update where `finite`, else as they were. A branch, not a
+  select of new against old: the select kept the old optimizer state alive beside the new, so
+  XLA copied all of it before updating it in place."""
+
+  def apply(state):
+    updates, new_opt_state = tx.update(grads, state[1], state[0])
+    return optax.apply_updates(state[0], updates), new_opt_state
+
+  return jax.lax.cond(finite, apply, lambda state: state, (params, opt_state))

@@ -77,7 +77,8 @@ def _batch(prompt_lens, completion_lens, p, c, vocab, seed=0):
 def _micro_batch(lay):
   """Micro-batch (0, 0) of a one-micro-batch Layout as device Rows [R, L]."""
   fields = ("tokens", "positions", "segments", "seq", "prompt_tokens", "prompt_positions", "prompt_valid", "row_group")
-  return Rows(**{f: None if getattr(lay, f) is None else jnp.asarray(getattr(lay, f)[0, 0]) for f in fields})
+  return Rows(**{f: None if getattr(lay, f) is None else jnp.asarray(getattr(lay, f)[0, 0]) for f in fields},
+              head_from=lay.head_from)
 
 
 def _weights(shape, seed):
@@ -118,6 +119,24 @@ def test_layout_logprobs_and_gradients_match_whole_vocab(name, chunk):
   logp, entropy = _assert_same_and_same_gradients(new, old, params, *_weights(rows.tokens.shape, 1))
   np.testing.assert_allclose(logp[:, 0], -np.log(61), rtol=1e-6)  # column 0 predicts nothing: uniform
   np.testing.assert_allclose(entropy[:, 0], np.log(61), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_padded_layout_runs_the_head_on_the_completion_columns_alone(name):
+  """pack=False keeps each row as the engine lays it out, so the head starts at the first
+  completion column: the completion tokens' logprobs, entropies and gradients are the whole
+  vocabulary's, the prompt columns read zero."""
+  policy, params = _model(name)
+  batch = _batch([2, 4, 1, 3], [5, 2, 6, 4], p=4, c=6, vocab=61, seed=8)
+  lay = packing.plan(batch.tokens, batch.valid, batch.loss_mask)
+  rows, slot = _micro_batch(lay), jnp.asarray(lay.slot)
+  assert lay.head_from == rows.head_from == 4 and rows.tokens.shape == (4, 10)
+  mask = jnp.asarray(batch.loss_mask, jnp.float32)
+
+  new = lambda p: tuple(from_layout(x, slot) for x in layout_logprobs(policy, p, rows, TEMP, chunk=4))
+  old = lambda p: jax.tree.map(lambda x: x * mask, _whole_vocab_engine_logprobs(policy, p, batch, TEMP))
+  _assert_same_and_same_gradients(new, old, params, *_weights(mask.shape, 9))
+  assert not np.asarray(jnp.stack(layout_logprobs(policy, params, rows, TEMP)))[:, :, :4].any()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
