@@ -172,7 +172,7 @@ class Attention(nnx.Module):
     b, t, h, hd = q.shape
     kv = k.shape[2]
     keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # the cache layout (init_cache)
-    if isinstance(cache_index, (PagedIndex, LayerColumn)):
+    if isinstance(cache_index, (PagedIndex, LayerColumn, PrefixKV)):
       keys, values, cache = cache_index.write_read(cache, keys, values)
     elif cache is not None:  # the length axis is last of keys, next to last of values, in either layout
       keys, values = fold_heads(keys, values, cache)
@@ -303,7 +303,7 @@ class Decoder(nnx.Module):
                                                                 None if cache is None else cache[i], cache_index,
                                                                 layer_key(i))
         new_cache.append(c)
-    return self.final_norm(x), (new_cache if cache is not None else None)
+    return self.final_norm(x), (new_cache if cache is not None or isinstance(cache_index, PrefixKV) else None)
 
   def _scan_layers(self, x, layer_inputs, cache, cache_index, layer_key):
     """The stacked layers over x by one scan; cache: [(keys [L, ...], values [L, ...])] or None.
@@ -316,13 +316,25 @@ class Decoder(nnx.Module):
     graphdef, state = nnx.split(self.layers)
     run = _block_fn(graphdef, cfg.remat, prevent_cse=False)  # scan already keeps XLA from merging the recompute
 
+    def inputs_of(sliding):
+      if mixed:
+        return jax.tree.map(lambda a, b: jnp.where(sliding, a, b), layer_inputs(True), layer_inputs(False))
+      return layer_inputs(bool(kinds[0]))
+
+    layers = (state, jnp.arange(cfg.n_layers), jnp.asarray(kinds))
+    if isinstance(cache_index, PrefixKV):  # each layer's cache a scan input or output of its own, never carried
+
+      def prefix_body(x, xs):
+        layer_state, i, sliding, layer_cache = xs
+        return run(layer_state, x, *inputs_of(sliding), layer_cache, cache_index, layer_key(i))
+
+      x, new = jax.lax.scan(prefix_body, x, layers + (None if cache is None else tuple(cache[0]),))
+      return x, (None if new is None else [new])
+
     def body(carry, xs):
       x, stacked = carry
       layer_state, i, sliding = xs
-      if mixed:
-        inputs = jax.tree.map(lambda a, b: jnp.where(sliding, a, b), layer_inputs(True), layer_inputs(False))
-      else:
-        inputs = layer_inputs(bool(kinds[0]))
+      inputs = inputs_of(sliding)
       if stacked is None:
         x, _ = run(layer_state, x, *inputs, None, cache_index, layer_key(i))
       else:
@@ -331,22 +343,28 @@ class Decoder(nnx.Module):
         x, stacked = run(layer_state, x, *inputs, stacked, index, layer_key(i))
       return (x, stacked), None
 
-    (x, stacked), _ = jax.lax.scan(body, (x, None if cache is None else tuple(cache[0])),
-                                   (state, jnp.arange(cfg.n_layers), jnp.asarray(kinds)))
+    (x, stacked), _ = jax.lax.scan(body, (x, None if cache is None else tuple(cache[0])), layers)
     return x, (None if cache is None else [stacked])
+
+  def head(self):
+    """The output head [d_model, vocab] in the compute dtype: the tied embeddings or lm_head."""
+    head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    return head.astype(jnp.dtype(self.cfg.dtype))
 
   def logits(self, x, columns=None):
     """Final hidden states x [..., d_model] -> fp32 logits [..., vocab] through the output head
     (the tied embeddings or lm_head) and the final soft-cap. columns: a slice of the vocabulary
-    to compute only those logits (the critic reads one column of its head). Accumulated and
-    returned in fp32: rounded to bf16, logits are 1/8 to 1/4 apart where a trained model's top
-    logits lie (16 to 64), and every logprob of a token less than certain carries that rounding."""
-    cfg = self.cfg
-    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    if columns is not None:
-      head = head[:, columns]
-    logits = jnp.matmul(x, head.astype(jnp.dtype(cfg.dtype)), preferred_element_type=jnp.float32)
-    return softcap(logits, cfg.final_logit_softcap)
+    to compute only those logits (the critic reads one column of its head)."""
+    head = self.head()
+    return head_logits(x, head if columns is None else head[:, columns], self.cfg.final_logit_softcap)
+
+
+def head_logits(x, head, cap):
+  """Hidden states x [..., d_model] through an output head [d_model, vocab] in x's dtype -> fp32
+  logits, soft-capped at `cap` (0: not). Accumulated and returned in fp32: rounded to bf16, logits
+  are 1/8 to 1/4 apart where a trained model's top logits lie (16 to 64), and every logprob of a
+  token less than certain carries that rounding."""
+  return softcap(jnp.matmul(x, head, preferred_element_type=jnp.float32), cap)
 
 
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -469,6 +487,26 @@ def layer_of(stacked, layer):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PrefixKV:
+  """The cache_index of the trainer's shared-prompt passes (rl.layout), where each layer's cache is
+  its own, read or made per layer (a scan's input or output: carried whole, a differentiated scan
+  keeps the whole stacked cache for every layer). rows None: the layer's new keys and values are
+  its cache (the prompts' pass). rows [B]: row b attends to cache row rows[b]'s keys and values
+  (its group's prompt) before its own new ones; nothing is written."""
+  rows: jax.Array | None = None
+
+  def write_read(self, cache, keys, values):
+    """New keys [B, KV, hd, T] and values [B, KV, T, hd] -> (the keys and values attention reads,
+    the layer's cache)."""
+    if self.rows is None:
+      return keys, values, (keys, values)
+    prefix = lambda x, new: x[self.rows].astype(new.dtype)
+    keys = jnp.concatenate([prefix(cache[0], keys), keys], axis=-1)
+    return keys, jnp.concatenate([prefix(cache[1], values), values], axis=-2), None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PagedIndex:
   """The cache_index of a paged cache: each layer's (keys, values) is a pool of blocks in the
   cache layout, [blocks, KV, head_dim, P] and [blocks, KV, P, head_dim] (or flat), and row b's position p
@@ -584,14 +622,3 @@ def map_cache(fn, cache: Cache, *others: Cache) -> Cache:
       tuple(fn(*arrays, axes) for *arrays, axes in zip(*entries, entry_axes(entries[0][0])))
       for entries in zip(cache, *others)
   ]
-
-
-def extend_cache(cache: Cache, rows, extra: int) -> Cache:
-  """The cache's rows[i] as row i, with `extra` empty positions after the cached ones."""
-
-  def grow(x, axes):
-    pad = [(0, 0)] * x.ndim
-    pad[axes.index("length")] = (0, extra)
-    return jnp.pad(x[(slice(None),) * axes.index("batch") + (rows,)], pad)
-
-  return map_cache(grow, cache)
