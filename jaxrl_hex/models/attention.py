@@ -1,9 +1,10 @@
 """Blockwise attention over masks held as per-token segment ids and positions.
 
 A packed training row, a left-padded prompt and a completion attending its group's shared prompt
-all mask attention the same way: query t sees key s when both carry the same segment id > 0 and
-the key's position is not after the query's (and, for sliding layers, fewer than `window`
-positions before it). `Segments` holds that rule as [B, T] and [B, S] arrays, so no [B, T, S]
+all mask attention the same way: query t sees key s when both carry the same segment id > 0 (or
+the key's id is SHARED: a prompt every completion packed in its row continues) and the key's
+position is not after the query's (and, for sliding layers, fewer than `window` positions before
+it). `Segments` holds that rule as [B, T] and [B, S] arrays, so no [B, T, S]
 mask exists, and `blockwise_attention` computes attention over [block, block] tiles with an
 online softmax (flash attention's algorithm, in portable JAX), so no [B, H, T, S] scores exist
 either: memory grows linearly with the sequence length. Tiles no query of the batch can see
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 NO_WINDOW = 2**30  # a window no sequence reaches
+SHARED = -1  # a key segment id every query of its row with an id > 0 sees: a prompt its row's sequences share
 _MASKED = -1e30  # finite, so a query that sees nothing in a tile keeps a finite running max
 _EMPTY_LSE = 1e30  # a query that sees no key at all: exp(s - lse) = 0 in the backward pass
 
@@ -30,8 +32,8 @@ _EMPTY_LSE = 1e30  # a query that sees no key at all: exp(s - lse) = 0 in the ba
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Segments:
-  """Query t sees key s iff q_segments[t] == k_segments[s] > 0 and
-  0 <= q_positions[t] - k_positions[s] < window."""
+  """Query t sees key s iff (q_segments[t] == k_segments[s] > 0, or k_segments[s] == SHARED and
+  q_segments[t] > 0) and 0 <= q_positions[t] - k_positions[s] < window."""
   q_segments: jax.Array  # [B, T] int32, 0 = padding
   q_positions: jax.Array  # [B, T] int32
   k_segments: jax.Array  # [B, S] int32, 0 = padding (or an unwritten cache slot)
@@ -94,8 +96,10 @@ def _tiles(mask: Segments, bq, bk):
 def _visible(qm, km, window):
   """(segments, positions) of queries [B, T] and keys [B, S] -> the mask [B, T, S]."""
   (qs, qp), (ks, kp) = qm, km
+  qs, ks = qs[:, :, None], ks[:, None, :]
   distance = qp[:, :, None] - kp[:, None, :]
-  return (qs[:, :, None] == ks[:, None, :]) & (ks[:, None, :] > 0) & (distance >= 0) & (distance < window)
+  seen = ((qs == ks) & (ks > 0)) | ((ks == SHARED) & (qs > 0))
+  return seen & (distance >= 0) & (distance < window)
 
 
 def _tile(qi, kj, vj, visible, scale, cap, carry):

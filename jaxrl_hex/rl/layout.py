@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_hex.models.attention import Segments
+from jaxrl_hex.models.attention import SHARED, Segments
 from jaxrl_hex.models.decoder import PrefixKV, head_logits, rope_tables
 
 ROW_AXES = (None, None, "batch", "length")  # [M, K, R, L]: rows split over the batch axes
@@ -155,22 +155,24 @@ def token_logprobs(policy, params, batch, temperature=1.0, chunk=None):
 
 def shared_prompt_hidden(policy, params, rows: Rows):
   """Each of the micro-batch's G prompts [G, P] runs once; every completion row [R, C] attends to
-  its group's prompt keys/values (gathered by row_group) and to its own earlier tokens.
-  -> final hidden states [R, C, d_model] aligned to the completion tokens (token 0 from the
-  prompt's last position)."""
-  tokens, valid, group = rows.tokens, rows.segments > 0, rows.row_group
+  its group's prompt keys/values (gathered by row_group) and to its own earlier tokens. A row may
+  hold several completions (packed: segment ids 1.., positions each continuing the prompt's).
+  -> final hidden states [R, C, d_model] aligned to the completion tokens (each completion's
+  first token from the prompt's last position)."""
+  tokens, segments, group = rows.tokens, rows.segments, rows.row_group
   p_valid, p_positions = rows.prompt_valid, rows.prompt_positions
   tables = _rope(policy, p_valid.shape[1] + tokens.shape[1])  # a completion's positions follow its prompt's
   prompt_hidden, cache = policy.apply_hidden(params, rows.prompt_tokens, p_positions,
                                              Segments.causal(p_valid, p_positions), None, PrefixKV(),
                                              rope_tables=tables)
-  positions = rows.positions[:, :-1]
-  # The prompt's positions precede the completion's, so causal order is position order.
-  mask = Segments(valid[:, :-1].astype(jnp.int32), positions,
-                  jnp.concatenate([p_valid[group], valid[:, :-1]], axis=1).astype(jnp.int32),
+  positions, ids = rows.positions[:, :-1], segments[:, :-1]
+  # The prompt's positions precede the completions', so causal order is position order.
+  mask = Segments(ids, positions, jnp.concatenate([jnp.where(p_valid[group], SHARED, 0), ids], axis=1),
                   jnp.concatenate([p_positions[group], positions], axis=1))  # keys [R, P + C - 1]
   hidden, _ = policy.apply_hidden(params, tokens[:, :-1], positions, mask, cache, PrefixKV(group), rope_tables=tables)
-  return jnp.concatenate([prompt_hidden[group, -1:], hidden], axis=1)
+  last = prompt_hidden[group, -1:]
+  first = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+  return jnp.where(first[..., None], last, jnp.concatenate([last, hidden], axis=1))
 
 
 def _layout_hidden(policy, params, rows: Rows):

@@ -198,9 +198,9 @@ def validate_algo(cfg):
                     f"or pick a critic-free estimator: {', '.join(critic_free)}")
   if a.behav_weight_cap <= 0:
     raise UserError(f"algo.behav_weight_cap={a.behav_weight_cap} must be > 0 (e.g. 5.0)")
-  if a.share_prompts and (a.pack or r.prompts_per_step % a.minibatches):
-    raise UserError("algo.share_prompts lays out whole groups, one prompt each: it excludes algo.pack, "
-                    "and algo.minibatches must divide rollout.prompts_per_step")
+  if a.share_prompts and r.prompts_per_step % a.minibatches:
+    raise UserError("algo.share_prompts lays out whole groups, one prompt each: algo.minibatches must divide "
+                    "rollout.prompts_per_step")
   n = r.prompts_per_step * r.group_size
   if a.minibatches < 1 or n % a.minibatches:
     raise UserError(f"algo.minibatches={a.minibatches} must be >= 1 and divide the batch of "

@@ -17,7 +17,10 @@ quantities move between the [N, C] view (advantages, aggregation) and the layout
 rows out as completions only, and each micro-batch carries its groups' prompts once
 (prompt_tokens [M, K, G, P]); the trainer runs each prompt once and lets every completion of
 its group attend to the prompt's keys and values (rl.layout.shared_prompt_hidden), so prompt
-tokens are computed once per group instead of once per sample.
+tokens are computed once per group instead of once per sample. With `pack=True` too, a group's
+completions are packed first-fit decreasing into rows of max(row_length, C) tokens (each row
+continues one prompt), and the row count rounds up to a multiple of 4 so that batches take a few
+shapes, not one per batch.
 """
 import dataclasses
 import heapq
@@ -94,6 +97,15 @@ def deal_rows(loads, micro_batches: int, shards: int, rows_per_shard: int):
   return where
 
 
+def dealt_rows(loads, micro_batches: int, shards: int, rows_per_shard: int):
+  """deal_rows' slots as rows: -> [(k, the row's index in micro-batch k)] per row (shard d holds
+  rows d * rows_per_shard on)."""
+  used = {}
+  for k, d in deal_rows(loads, micro_batches, shards, rows_per_shard):
+    used[k, d] = used.get((k, d), 0) + 1
+    yield k, d * rows_per_shard + used[k, d] - 1
+
+
 def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_tokens=0, pack=False, row_length=0,
          share_prompts=False, group_ids=None) -> Layout:
   """tokens, valid [N, P + C]; loss_mask [N, C] -> Layout.
@@ -105,7 +117,7 @@ def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_token
   if n % minibatches:
     raise ValueError(f"batch of {n} sequences does not split into {minibatches} minibatches")
   if share_prompts:
-    return _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro_batch_tokens)
+    return _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro_batch_tokens, pack, row_length)
   lengths = valid.sum(1)
   row_len = max(int(row_length), width) if pack else width
   minibatch_of = np.repeat(np.arange(minibatches), n // minibatches).astype(np.int32)
@@ -128,10 +140,7 @@ def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_token
   rows_per_shard = r // shards
   for m, bins in enumerate(rows):
     loads = [int(lengths[b].sum()) for b in bins]
-    used = {}
-    for b, (kk, d) in zip(bins, deal_rows(loads, k, shards, rows_per_shard)):
-      row = d * rows_per_shard + used.get((kk, d), 0)
-      used[kk, d] = used.get((kk, d), 0) + 1
+    for b, (kk, row) in zip(bins, dealt_rows(loads, k, shards, rows_per_shard)):
       if not pack:  # the row as the engine lays it out: every completion in the last c_len columns
         i = b[0]
         out["tokens"][m, kk, row] = tokens[i]
@@ -157,7 +166,8 @@ def plan(tokens, valid, loss_mask, *, minibatches=1, shards=1, micro_batch_token
                 shards=shards, head_from=0 if pack else width - c_len)
 
 
-def _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro_batch_tokens) -> Layout:
+def _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro_batch_tokens, pack,
+                 row_length) -> Layout:
   n, width = tokens.shape
   c_len = loss_mask.shape[1]
   p_len = width - c_len
@@ -172,8 +182,20 @@ def _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro
   g_mb = max(1, micro_batch_tokens // (size * c_len)) if micro_batch_tokens else per_minibatch
   g_mb = min(g_mb, per_minibatch)
   k = -(-per_minibatch // g_mb)
-  r = -(-g_mb * size // shards) * shards
-  shape = (minibatches, k, r, c_len)
+  row_len = max(int(row_length), c_len) if pack else c_len
+  lengths = valid[:, p_len:].sum(1)
+  if (valid[:, p_len:] != (np.arange(c_len) < lengths[:, None])).any():
+    raise ValueError("share_prompts: a completion's tokens must lie from its first column on, with no gap")
+  rows = {}  # (m, kk) -> [(the row's prompt among the micro-batch's, its sequences)]
+  for j, members in enumerate(groups):
+    m, rest = divmod(j, per_minibatch)
+    kk, gg = divmod(rest, g_mb)
+    bins = first_fit_decreasing(lengths[members], row_len) if pack else [[q] for q in range(size)]
+    rows.setdefault((m, kk), []).extend((gg, [members[b] for b in bin_]) for bin_ in bins)
+  # packed rows come in multiples of 4 (and of the shards): a few distinct shapes, so a few compiles
+  quantum = shards * max(1, 4 // shards) if pack else shards
+  r = -(-max(len(v) for v in rows.values()) // quantum) * quantum
+  shape = (minibatches, k, r, row_len)
   out = {name: np.zeros(shape, np.int32) for name in ("tokens", "positions", "segments")}
   out["seq"] = np.full(shape, n, np.int32)
   prompts = {
@@ -184,23 +206,30 @@ def _plan_shared(tokens, valid, loss_mask, group_ids, minibatches, shards, micro
   slot = np.full((n, c_len), np.prod(shape), np.int64)
   minibatch_of = np.zeros(n, np.int32)
   prompt_lens = valid[:, :p_len].sum(1)
-  for j, rows in enumerate(groups):
+  for j, members in enumerate(groups):
     m, rest = divmod(j, per_minibatch)
     kk, gg = divmod(rest, g_mb)
-    first = rows[0]
+    first = members[0]
     prompts["prompt_tokens"][m, kk, gg] = tokens[first, :p_len]
     prompts["prompt_valid"][m, kk, gg] = valid[first, :p_len]
     prompts["prompt_positions"][m, kk, gg] = np.maximum(np.cumsum(valid[first, :p_len]) - 1, 0)
-    for q, i in enumerate(rows):
-      row = gg * size + q
-      minibatch_of[i] = m
+    minibatch_of[members] = m
+  for (m, kk), laid in rows.items():
+    if pack:  # rows dealt so every shard gets about the same tokens
+      where = [row for _, row in dealt_rows([int(lengths[b].sum()) for _, b in laid], 1, shards, r // shards)]
+    else:
+      where = range(len(laid))
+    for (gg, seqs), row in zip(laid, where):
       row_group[m, kk, row] = gg
-      out["tokens"][m, kk, row] = tokens[i, p_len:]
-      out["positions"][m, kk, row] = prompt_lens[i] + np.arange(c_len)
-      out["segments"][m, kk, row] = valid[i, p_len:]
-      out["seq"][m, kk, row] = np.where(valid[i, p_len:], i, n)
-      base = np.ravel_multi_index((m, kk, row, 0), shape)
-      slot[i] = np.where(loss_mask[i], base + np.arange(c_len), slot[i])
-  real = int(valid[:, p_len:].sum() + sum(prompt_lens[g[0]] for g in groups))
+      start = 0
+      for seg, i in enumerate(seqs, 1):  # completions continue their prompt's positions (the row's padding too)
+        cols = slice(start, start + lengths[i])
+        out["tokens"][m, kk, row, cols] = tokens[i, p_len:p_len + lengths[i]]
+        out["positions"][m, kk, row, start:] = prompt_lens[i] + np.arange(row_len - start)
+        out["segments"][m, kk, row, cols] = seg
+        out["seq"][m, kk, row, cols] = i
+        slot[i] = np.where(loss_mask[i], np.ravel_multi_index((m, kk, row, start), shape) + np.arange(c_len), slot[i])
+        start += lengths[i]
+  real = int(lengths.sum() + sum(prompt_lens[g[0]] for g in groups))
   return Layout(**out, slot=slot.astype(np.int32), minibatch_of=minibatch_of, real_tokens=real, shards=shards,
                 row_group=row_group, **prompts)

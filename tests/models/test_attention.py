@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_hex.models.attention import Segments, blockwise_attention
+from jaxrl_hex.models.attention import SHARED, Segments, blockwise_attention
 from jaxrl_hex.models.config import model_config
 from jaxrl_hex.models.policy import Policy
 
@@ -44,6 +44,15 @@ def test_segments_mask_is_block_diagonal_causal_by_position():
   np.testing.assert_array_equal(m, expected)
   windowed = np.asarray(Segments.causal(jnp.array([[1, 1, 1]]), jnp.array([[0, 1, 2]])).windowed(2).dense())[0]
   np.testing.assert_array_equal(windowed, [[1, 0, 0], [1, 1, 0], [0, 1, 1]])
+
+
+def test_shared_keys_are_seen_by_every_sequence_of_their_row():
+  """A row of two completions (ids 1, 2) continuing one prompt of two keys (SHARED, then padding)."""
+  q_ids, q_pos = jnp.array([[1, 1, 2, 2, 0]]), jnp.array([[2, 3, 2, 3, 0]])
+  k_ids, k_pos = jnp.concatenate([jnp.array([[SHARED, 0]]), q_ids], 1), jnp.concatenate([jnp.array([[1, 0]]), q_pos], 1)
+  m = np.asarray(Segments(q_ids, q_pos, k_ids, k_pos).dense())[0]
+  np.testing.assert_array_equal(m[:, :2], [[1, 0]] * 4 + [[0, 0]])  # every sequence sees the prompt, padding nothing
+  np.testing.assert_array_equal(m[:, 2:], Segments.causal(q_ids, q_pos).dense()[0])
 
 
 @pytest.mark.parametrize("window,cap,block", [(None, 0.0, 8), (5, 0.0, 8), (None, 3.0, 16), (5, 3.0, 64)])

@@ -139,14 +139,17 @@ def test_padded_layout_runs_the_head_on_the_completion_columns_alone(name):
   assert not np.asarray(jnp.stack(layout_logprobs(policy, params, rows, TEMP)))[:, :, :4].any()
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_shared_prompt_logprobs_match_unshared_whole_vocab(name):
+@pytest.mark.parametrize("name, pack", [(name, False) for name in CONFIGS] + [("tied", True)])
+def test_shared_prompt_logprobs_match_unshared_whole_vocab(name, pack):
   policy, params = _model(name)
   batch = _batch([3, 3, 5, 5], [7, 4, 6, 2], p=5, c=7, vocab=61, seed=2)
   batch.tokens[1, :5], batch.tokens[3, :5] = batch.tokens[0, :5], batch.tokens[2, :5]
-  lay = packing.plan(batch.tokens, batch.valid, batch.loss_mask, share_prompts=True, group_ids=np.array([0, 0, 1, 1]))
+  lay = packing.plan(batch.tokens, batch.valid, batch.loss_mask, share_prompts=True, group_ids=np.array([0, 0, 1, 1]),
+                     pack=pack, row_length=11)
   rows, slot = _micro_batch(lay), jnp.asarray(lay.slot)
-  assert rows.prompt_tokens is not None and rows.tokens.shape == (4, 7)
+  # packed: each group's two completions (7 + 4, 6 + 2 tokens) share a row of 11, each continuing its prompt
+  assert rows.prompt_tokens is not None and rows.tokens.shape == ((4, 11) if pack else (4, 7))
+  assert not pack or (np.asarray(rows.segments).max(1) == [2, 2, 0, 0]).all()
   mask = jnp.asarray(batch.loss_mask, jnp.float32)
 
   def new(p):  # chunks of 3 over C = 7: the last chunk padded

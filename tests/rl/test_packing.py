@@ -92,3 +92,25 @@ def test_shared_prompt_layout_lays_each_group_prompt_once():
   tokens[1, 3] += 1
   with pytest.raises(ValueError, match="group 5 have different prompts"):
     packing.plan(tokens, valid, loss_mask, share_prompts=True, group_ids=np.array([5, 5, 9, 9]))
+
+
+def test_packed_shared_prompt_layout_packs_a_groups_completions_into_rows():
+  tokens, valid, loss_mask = _batch([2, 2, 2, 2, 3, 3, 3, 3], [3, 1, 2, 2, 3, 3, 1, 1])
+  for first in (0, 4):
+    tokens[first + 1:first + 4, :4] = tokens[first, :4]
+  group_ids = np.repeat([5, 9], 4)
+  lay = packing.plan(tokens, valid, loss_mask, share_prompts=True, pack=True, group_ids=group_ids, shards=2)
+  # group 5: [3 | 2 1] [2]; group 9: [3] [3] [1 1]: 6 rows of 3, rounded up to 8, each continuing one prompt
+  assert lay.shape == (1, 1, 8, 3) and lay.prompt_tokens.shape == (1, 1, 2, 4)
+  assert lay.real_tokens == 2 + 3 + 8 + 8
+  for i in range(8):
+    where = lay.seq == i
+    np.testing.assert_array_equal(lay.tokens[where], tokens[i, 4:][loss_mask[i]])
+    np.testing.assert_array_equal(lay.positions[where], (2 if i < 4 else 3) + np.arange(loss_mask[i].sum()))
+    row = np.nonzero(where.any(-1)[0, 0])[0]
+    assert len(row) == 1 and lay.row_group[0, 0, row[0]] == i // 4  # one row, its group's prompt
+  flat = lay.tokens.reshape(-1)
+  for i in range(8):
+    np.testing.assert_array_equal(flat[lay.slot[i][loss_mask[i]]], tokens[i, 4:][loss_mask[i]])
+  per_shard = (lay.segments[0, 0] > 0).reshape(2, 4, 3).sum((1, 2))
+  assert abs(per_shard[0] - per_shard[1]) <= 1  # rows dealt by tokens

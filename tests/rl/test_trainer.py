@@ -139,12 +139,13 @@ def test_shared_prompt_rows_equal_padded_loss_and_grads(setup, pools):
     batch.tokens[start:start + 4, :P] = batch.tokens[start, :P]
     batch.valid[start:start + 4, :P] = batch.valid[start, :P]
   loss, grads = _trainer(setup, pools).gradients(batch)
-  s_loss, s_grads = _trainer(setup, pools, **{
-      "algo.share_prompts": True,
-      "algo.micro_batch_tokens": 48
-  }).gradients(batch)
-  assert abs(float(s_loss) - float(loss)) <= 1e-5 * abs(float(loss))
-  assert _rel(s_grads, grads) <= 1e-5
+  for packed in ({}, {"algo.pack": True, "algo.pack_length": 9}):  # packed: rows of 9 hold several completions
+    s_loss, s_grads = _trainer(setup, pools, **{
+        "algo.share_prompts": True,
+        "algo.micro_batch_tokens": 48
+    }, **packed).gradients(batch)
+    assert abs(float(s_loss) - float(loss)) <= 1e-5 * abs(float(loss))
+    assert _rel(s_grads, grads) <= 1e-5
 
 
 def test_step_updates_params_and_reports_the_orchestrator_metrics(setup, pools):
