@@ -182,7 +182,7 @@ def fit_mesh(cfg, mesh_file: meshes.MeshFile, policy, quiet: bool = False) -> me
       moved.append((f"{role} on {meshes.format_axes(layouts[0].axes)}", why))
       continue
     raise meshes.MeshError(f"{mesh_file.path}: pools.{role} (mesh {meshes.format_axes(spec.axes)}) cannot shard the "
-                           f"model: {why}; {_layout_fix(cfg, mesh_file, role, layouts, policy, sizes)}")
+                           f"model: {why}; {_layout_fix(mesh_file, role, layouts, policy, sizes)}")
   if moved and not quiet:
     whys = "; ".join(dict.fromkeys(why for _, why in moved))
     print(
@@ -191,18 +191,18 @@ def fit_mesh(cfg, mesh_file: meshes.MeshFile, policy, quiet: bool = False) -> me
   return dataclasses.replace(mesh_file, pools=pools)
 
 
-def _layout_fix(cfg, mesh_file, role, layouts, policy, sizes) -> str:
+def _layout_fix(mesh_file, role, layouts, policy, sizes) -> str:
   """What to run instead: a shipped mesh file whose pools all fit, and a layout of the pool's own devices."""
   fixes = [f"give pools.{role}.mesh {meshes.format_axes(layouts[0].axes)}"] if layouts else []
-  platform = mesh_file.platform
-  for path, other in meshes.shipped_mesh_files(platform):
+  for path, other in meshes.shipped_mesh_files(mesh_file.platform):
     if all(_fits(s, policy, sizes) for s in other.pools.values()):
       fixes.insert(0, f"use --config.mesh_file={path}")
       break
-  if not fixes:
-    return (f"no layout of its {len(mesh_file.pools[role].device_ids)} devices and no mesh file in meshes/ does; "
-            "write one whose tensor degree divides those dims (tensor 1 always does)")
-  return ", or ".join(fixes)
+  if fixes:
+    return ", or ".join(fixes)
+  degrees = [t for t in (1, 2, 4, 8, 16) if not any(d % t for d in _split_dims(policy.cfg).values())]
+  return (f"no layout of its {len(mesh_file.pools[role].device_ids)} devices shards it and divides this batch: give "
+          f"pools.{role} a tensor degree in {degrees} and batch axes that divide the batch (one device always does)")
 
 
 def resolve_auto(cfg, auto: dict, platform: str) -> str:

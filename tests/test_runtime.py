@@ -323,3 +323,17 @@ def test_auto_dtype_and_scan_are_chosen_for_the_model_and_platform_and_printed(c
       "model settings chosen for this model and platform: model.dtype='bfloat16' (compute on gpu; the master weights "
       "stay float32)")
   assert runtime._platform(one_chip) == "cpu"  # `any`: this runtime's
+
+
+def test_a_model_no_layout_of_the_pool_can_run_names_the_degrees_that_divide_it(tmp_path, monkeypatch):
+  """Tensor 4 over 9 heads, and a batch of 6 that 4 batch ways cannot split; outside a checkout (no
+  meshes/ to pick from) the message says what a layout needs."""
+  named = tmp_path / "wide.yaml"
+  named.write_text("platform: cpu\nnum_devices: 8\npools:\n  train: {devices: 4, mesh: {tensor: 4}}\n"
+                   "  rollout: {devices: 1, mesh: {data: 1}}\n")
+  monkeypatch.setattr(meshes, "shipped_mesh_files", lambda platform: [])
+  cfg = load_config(**NINE_HEADS, mesh_file=str(named), **{"rollout.prompts_per_step": 3, "rollout.group_size": 2})
+  msg = _one_line(MeshError, runtime.build_runtime, cfg)
+  assert msg == (f"{named}: pools.train (mesh {{tensor: 4}}) cannot shard the model: tensor 4 does not divide the "
+                 "model's 9 heads and 3 KV heads; no layout of its 4 devices shards it and divides this batch: give "
+                 "pools.train a tensor degree in [1] and batch axes that divide the batch (one device always does)")
